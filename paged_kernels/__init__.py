@@ -1,0 +1,29 @@
+"""paged-kernels: PagedAttention over a block-table KV cache, with interchangeable backends.
+
+The public API lives in `paged_kernels.attention` (docs/abi.md states the ABI).
+"""
+
+from paged_kernels.abi import AttentionProblem, Support
+from paged_kernels.attention import (
+    copy_blocks,
+    merge_attn_states,
+    paged_attention,
+    swap_blocks,
+    write_kv,
+)
+from paged_kernels.backends import (
+    Backend,
+    BackendUnavailable,
+    available_backends,
+    get_backend,
+    registered_backends,
+    unavailable_backends,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionProblem", "Backend", "BackendUnavailable", "Support", "available_backends",
+    "copy_blocks", "get_backend", "merge_attn_states", "paged_attention", "registered_backends",
+    "swap_blocks", "unavailable_backends", "write_kv",
+]

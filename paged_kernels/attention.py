@@ -1,0 +1,192 @@
+"""The public API: paged attention and the cache operations over a block-table KV cache.
+
+The ABI (layouts, positions, masks, what is never read, errors) is stated once in docs/abi.md and
+checked once in `paged_kernels.abi`; every backend implements exactly that.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from paged_kernels.abi import (
+    FLOAT_DTYPES,
+    _describe,
+    _fail,
+    _require_tensor,
+    check_attention_args,
+    check_attention_contents,
+    content_checks_requested,
+    require_int_tensor,
+)
+from paged_kernels.backends import resolve_backend
+
+__all__ = ["paged_attention", "write_kv", "copy_blocks", "swap_blocks", "merge_attn_states"]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    check: Optional[bool] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Causal attention of `query` over the paged K/V of each sequence (docs/abi.md).
+
+    Sequence `s` has `seq_lens[s]` tokens in the cache, stored in blocks
+    `block_tables[s, :ceil(seq_lens[s] / block_size)]`; its query tokens are
+    `query[cu_seqlens_q[s]:cu_seqlens_q[s+1]]` (one per sequence when `cu_seqlens_q` is None) and
+    sit at its last positions. Returns `out` (`query`'s shape and dtype), or `(out, lse)` with
+    `lse` float32 `[num_tokens, num_heads]` when `return_lse`.
+
+    Raises TypeError/ValueError for malformed arguments, NotImplementedError when the chosen
+    backend does not support the request, RuntimeError when no backend can run it here.
+    `check=True` (or PAGED_KERNELS_CHECK=1) also checks the contents (block ids, lengths).
+    """
+    problem = check_attention_args(
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        alibi_slopes=alibi_slopes, out=out, return_lse=return_lse)
+    impl = resolve_backend(backend, problem.query.device)
+    impl.support.check(impl.name, problem)
+    if impl.always_check_contents or content_checks_requested(check):
+        check_attention_contents(problem)
+    if problem.num_tokens:
+        impl.paged_attention(problem)
+    if return_lse:
+        return problem.out, problem.lse  # type: ignore[return-value]
+    return problem.out
+
+
+def _check_kv_rows(arg: str, t: object, cache: torch.Tensor) -> torch.Tensor:
+    t = _require_tensor(arg, t)
+    expected = (cache.shape[1], cache.shape[3])
+    if t.dim() != 3 or tuple(t.shape[1:]) != expected or t.dtype != cache.dtype:
+        _fail(ValueError, arg, f"a {cache.dtype} tensor [num_tokens, {expected[0]}, "
+              f"{expected[1]}] matching the cache", _describe(t))
+    if t.device != cache.device:
+        _fail(ValueError, arg, f"a tensor on {cache.device} (the cache's device)", _describe(t))
+    return t
+
+
+def _check_cache_pair(key_cache: object, value_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
+    k = _require_tensor("key_cache", key_cache)
+    v = _require_tensor("value_cache", value_cache)
+    if k.dim() != 4 or k.dtype not in FLOAT_DTYPES:
+        _fail(ValueError, "key_cache", "a float 4-D tensor [num_blocks, num_kv_heads, "
+              "block_size, head_size]", _describe(k))
+    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+        _fail(ValueError, "value_cache", f"the key_cache's shape, dtype and device "
+              f"({_describe(k)})", _describe(v))
+    for arg, t in (("key_cache", k), ("value_cache", v)):
+        if t.stride(3) != 1:
+            _fail(ValueError, arg, "a contiguous last dimension", f"strides {tuple(t.stride())}")
+    return k, v
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Writes token `i`'s `key[i]`/`value[i]` (`[num_kv_heads, head_size]`) to slot
+    `slot_mapping[i] = block * block_size + offset` of the caches; negative slots are skipped.
+    Slots must be distinct among the non-negative ones (a slot written twice is undefined)."""
+    k_cache, v_cache = _check_cache_pair(key_cache, value_cache)
+    key = _check_kv_rows("key", key, k_cache)
+    value = _check_kv_rows("value", value, k_cache)
+    if value.shape != key.shape:
+        _fail(ValueError, "value", f"the key's shape {tuple(key.shape)}", _describe(value))
+    require_int_tensor("slot_mapping", slot_mapping, torch.int64, (key.shape[0],), k_cache.device)
+    if key.shape[0]:
+        resolve_backend(backend, k_cache.device).write_kv(key, value, k_cache, v_cache,
+                                                          slot_mapping)
+
+
+def _check_block_mapping(block_mapping: object, device: torch.device) -> torch.Tensor:
+    return require_int_tensor("block_mapping", block_mapping, torch.int64, (None, 2), device)
+
+
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    block_mapping: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
+    """For each `(src, dst)` row of `block_mapping` (int64 `[n, 2]`), copies block `src` to block
+    `dst` in every layer's key and value cache (the copy step of copy-on-write). A `dst` must not
+    also be a `src` in the same call."""
+    if len(key_caches) != len(value_caches) or not key_caches:
+        _fail(ValueError, "value_caches", f"{len(key_caches)} caches (one per key cache, >= 1)",
+              len(value_caches))
+    pairs = [_check_cache_pair(k, v) for k, v in zip(key_caches, value_caches)]
+    device = pairs[0][0].device
+    mapping = _check_block_mapping(block_mapping, device)
+    for k, _ in pairs:
+        if k.device != device:
+            _fail(ValueError, "key_caches", f"every cache on {device}", _describe(k))
+    if mapping.shape[0]:
+        resolve_backend(backend, device).copy_blocks([k for k, _ in pairs],
+                                                     [v for _, v in pairs], mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor, *,
+                backend: str = "auto") -> None:
+    """For each `(s, d)` row of `block_mapping` (int64 `[n, 2]`, on the CPU), copies block `s` of
+    cache `src` to block `d` of cache `dst`. The caches may be on different devices (CPU memory and
+    an accelerator) and must agree in dtype and per-block shape."""
+    src = _require_tensor("src", src)
+    dst = _require_tensor("dst", dst)
+    if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
+        _fail(ValueError, "dst", f"a {src.dtype} cache with per-block shape "
+              f"{tuple(src.shape[1:])} (the src's)", _describe(dst))
+    mapping = _check_block_mapping(block_mapping, torch.device("cpu"))
+    accel = dst.device if dst.device.type != "cpu" else src.device
+    if mapping.shape[0]:
+        resolve_backend(backend, accel).swap_blocks(src, dst, mapping)
+
+
+def merge_attn_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exactly combines two attentions of the same queries over disjoint key sets.
+
+    `out_*` are `[num_tokens, num_heads, head_size]`, `lse_*` float32 `[num_tokens, num_heads]`
+    (as returned with `return_lse=True`). A side with no visible keys has `lse = -inf` and
+    contributes nothing. Returns `(out, lse)` in `out_a`'s dtype and float32.
+    """
+    for arg, t in (("out_b", out_b), ("lse_a", lse_a), ("lse_b", lse_b)):
+        _require_tensor(arg, t)
+    _require_tensor("out_a", out_a)
+    if out_b.shape != out_a.shape:
+        _fail(ValueError, "out_b", f"out_a's shape {tuple(out_a.shape)}", _describe(out_b))
+    for arg, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.shape != out_a.shape[:2] or t.dtype != torch.float32:
+            _fail(ValueError, arg, f"a float32 tensor of shape {tuple(out_a.shape[:2])}",
+                  _describe(t))
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse))
+    w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse))
+    # where(), not a product, so that an empty side's unwritten (even NaN) rows contribute nothing
+    part_a = torch.where(w_a[..., None] > 0, out_a.float() * w_a[..., None], 0.0)
+    part_b = torch.where(w_b[..., None] > 0, out_b.float() * w_b[..., None], 0.0)
+    merged = part_a + part_b
+    return merged.to(out_a.dtype), lse

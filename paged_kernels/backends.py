@@ -1,0 +1,144 @@
+"""Backend registry and the "auto" choice.
+
+A backend is a `Backend` subclass registered by name with a lazy import path, so importing
+`paged_kernels` never imports Triton, CuPy or a compiled extension. A backend that cannot run here
+(missing package, no GPU) is simply absent from `available_backends()`; why is kept in
+`unavailable_backends()`.
+
+`backend="auto"` picks, among the available backends that run on the tensors' device, the one with
+the highest `priority`. The environment variable PAGED_KERNELS_BACKEND forces a name for every
+call that says "auto".
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from abc import ABC, abstractmethod
+from typing import Optional, Sequence
+
+import torch
+
+from paged_kernels.abi import AttentionProblem, Support
+
+BACKEND_ENV = "PAGED_KERNELS_BACKEND"
+
+#: name -> "module:attribute" of a zero-argument factory returning a Backend. Later issues add
+#: their backends here; nothing is imported until a backend is first asked for.
+_REGISTRY: dict[str, str] = {
+    "reference": "reference.backend:ReferenceBackend",
+    "triton": "triton_impl.backend:TritonBackend",
+    "cuda": "cuda.paged_cuda.backend:CudaBackend",
+    "cuda-host": "cuda.paged_cuda.host_backend:CudaHostBackend",
+}
+
+
+class Backend(ABC):
+    """One implementation of the ABI (docs/abi.md).
+
+    Contract: `paged_attention` receives a problem that passed `check_attention_args` and
+    `support.check`, writes every element of `problem.out` (and of `problem.lse` when it is not
+    None) and returns nothing. The cache operations receive checked arguments and modify the caches
+    in place. A backend never falls back silently to another one.
+    """
+
+    #: Registry name.
+    name: str = ""
+    #: Higher wins for backend="auto" among backends that run on the tensors' device.
+    priority: int = 0
+    #: Whether content checks (block ids, lengths) always run before this backend.
+    always_check_contents: bool = False
+
+    @property
+    @abstractmethod
+    def support(self) -> Support:
+        """What this backend supports (dtypes, sizes, features, device types)."""
+
+    @abstractmethod
+    def paged_attention(self, problem: AttentionProblem) -> None:
+        """Writes attention for `problem` into `problem.out` (and `problem.lse`)."""
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Scatters `key`/`value` rows to their slots; negative slots are skipped."""
+
+    def copy_blocks(self, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
+                    block_mapping: torch.Tensor) -> None:
+        """Copies block `src` to block `dst` for each row of `block_mapping`, in every layer."""
+        from reference.cache_ops import copy_blocks
+        copy_blocks(key_caches, value_caches, block_mapping)
+
+    def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor,
+                    block_mapping: torch.Tensor) -> None:
+        """Copies block `src` of cache `src` to block `dst` of cache `dst` (devices may differ)."""
+        from reference.cache_ops import swap_blocks
+        swap_blocks(src, dst, block_mapping)
+
+
+class BackendUnavailable(RuntimeError):
+    """Raised by a backend's factory when it cannot run on this machine; the message says why."""
+
+
+_instances: dict[str, Backend] = {}
+_unavailable: dict[str, str] = {}
+
+
+def _load(name: str) -> Optional[Backend]:
+    if name in _instances:
+        return _instances[name]
+    if name in _unavailable:
+        return None
+    module_name, attr = _REGISTRY[name].split(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+        backend = factory()
+    except (ImportError, BackendUnavailable, OSError) as exc:
+        _unavailable[name] = f"{type(exc).__name__}: {exc}"
+        return None
+    _instances[name] = backend
+    return backend
+
+
+def registered_backends() -> list[str]:
+    """Every registered backend name, available here or not."""
+    return list(_REGISTRY)
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run on this machine, highest priority first."""
+    loaded = [b for b in (_load(n) for n in _REGISTRY) if b is not None]
+    return [b.name for b in sorted(loaded, key=lambda b: -b.priority)]
+
+
+def unavailable_backends() -> dict[str, str]:
+    """Registered backends that cannot run here, with the reason."""
+    available_backends()
+    return dict(_unavailable)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called `name`; ValueError if unknown, RuntimeError if it cannot run here."""
+    if name not in _REGISTRY:
+        raise ValueError(f"backend: expected one of {['auto', *_REGISTRY]}, got {name!r}")
+    backend = _load(name)
+    if backend is None:
+        raise RuntimeError(f"backend {name!r} is not available here: {_unavailable[name]}")
+    return backend
+
+
+def resolve_backend(name: str, device: torch.device) -> Backend:
+    """Resolves `name` ("auto" or a registered name) for tensors on `device`."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend: expected a str, got {type(name).__name__}")
+    if name == "auto":
+        forced = os.environ.get(BACKEND_ENV)
+        if forced:
+            return get_backend(forced)
+        candidates = [get_backend(n) for n in available_backends()]
+        for backend in candidates:
+            if device.type in backend.support.device_types:
+                return backend
+        raise RuntimeError(f"no available backend runs on device {device}; available: "
+                           f"{[b.name for b in candidates]}")
+    return get_backend(name)

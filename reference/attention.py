@@ -1,0 +1,92 @@
+"""Paged attention in plain PyTorch: the readable definition of docs/abi.md.
+
+Each sequence's blocks are gathered through its block table into a padded, contiguous
+`[num_seqs, num_kv_heads, max_seq_len, head_size]` view; its query tokens are padded to
+`[num_seqs, max_q_len]`; scores, masks and the softmax are computed in float32 with batched
+matrix products (no Python loop over tokens or blocks). Entries of the block table past
+`ceil(seq_len / block_size)` are replaced by block 0 before the gather and every key past a
+sequence's length is masked out of the scores and zeroed in V, so their contents (NaN included)
+never reach the result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_kernels.abi import AttentionProblem
+
+
+def _gather_kv(p: AttentionProblem, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns K and V as float32 `[num_seqs, num_kv_heads, max_blocks * block_size, head_size]`."""
+    num_blocks_used = -(-max_len // p.block_size)
+    table = p.block_tables[:, :num_blocks_used].long()
+    needed = -(-p.seq_lens.long() // p.block_size)
+    read = torch.arange(num_blocks_used, device=table.device)[None, :] < needed[:, None]
+    table = torch.where(read, table, torch.zeros_like(table))
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        blocks = cache[table]  # [num_seqs, n, num_kv_heads, block_size, head_size]
+        blocks = blocks.permute(0, 2, 1, 3, 4).float()
+        return blocks.reshape(p.num_seqs, p.num_kv_heads, -1, p.head_size)
+
+    return gather(p.key_cache), gather(p.value_cache)
+
+
+def _token_layout(p: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """For each query token: its sequence, its index among that sequence's queries and its
+    position; plus the longest query length."""
+    device = p.query.device
+    cu = p.query_start_loc().long()
+    q_lens = cu[1:] - cu[:-1]
+    seq_of_token = torch.repeat_interleave(torch.arange(p.num_seqs, device=device), q_lens,
+                                           output_size=p.num_tokens)
+    index_in_seq = torch.arange(p.num_tokens, device=device) - cu[seq_of_token]
+    position = p.seq_lens.long()[seq_of_token] - q_lens[seq_of_token] + index_in_seq
+    max_q_len = int(q_lens.max()) if p.num_seqs else 0
+    return seq_of_token, index_in_seq, position, max_q_len
+
+
+def _scores(p: AttentionProblem, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
+            q_valid: torch.Tensor) -> torch.Tensor:
+    """Masked float32 scores `[num_seqs, num_kv_heads, group, max_q_len, max_len]`."""
+    s = torch.matmul(q, k[:, :, None].transpose(-1, -2)) * p.scale
+    if p.soft_cap is not None:
+        s = p.soft_cap * torch.tanh(s / p.soft_cap)
+    k_pos = torch.arange(k.shape[2], device=q.device)
+    rel = (k_pos[None, None, :] - q_pos[:, :, None]).float()  # [num_seqs, max_q_len, max_len]
+    if p.alibi_slopes is not None:
+        slopes = p.alibi_slopes.view(p.num_kv_heads, p.num_queries_per_kv)
+        s = s + slopes[None, :, :, None, None] * rel[:, None, None]
+    visible = (rel <= 0) & q_valid[:, :, None]
+    if p.sliding_window is not None:
+        visible &= rel > -p.sliding_window
+    return s.masked_fill(~visible[:, None, None], float("-inf"))
+
+
+def paged_attention(p: AttentionProblem) -> None:
+    """Writes attention for `p` into `p.out` (and `p.lse`); see the module docstring."""
+    seq_of_token, index_in_seq, position, max_q_len = _token_layout(p)
+    max_len = int(p.seq_lens.max())
+    k, v = _gather_kv(p, max_len)
+    k_valid = torch.arange(k.shape[2], device=k.device)[None, :] < p.seq_lens.long()[:, None]
+    v = v.masked_fill(~k_valid[:, None, :, None], 0.0)
+
+    group = p.num_queries_per_kv
+    q = torch.zeros(p.num_seqs, max_q_len, p.num_heads, p.head_size, device=k.device)
+    q[seq_of_token, index_in_seq] = p.query.float()
+    q = q.view(p.num_seqs, max_q_len, p.num_kv_heads, group, p.head_size).permute(0, 2, 3, 1, 4)
+    q_pos = torch.zeros(p.num_seqs, max_q_len, dtype=torch.long, device=k.device)
+    q_pos[seq_of_token, index_in_seq] = position
+    q_valid = torch.zeros(p.num_seqs, max_q_len, dtype=torch.bool, device=k.device)
+    q_valid[seq_of_token, index_in_seq] = True
+
+    s = _scores(p, q, k, q_pos, q_valid)
+    lse = torch.logsumexp(s, dim=-1)  # [num_seqs, num_kv_heads, group, max_q_len]
+    probs = torch.exp(s - lse[..., None]).nan_to_num_(0.0)  # padded query rows are all -inf
+    o = torch.matmul(probs, v[:, :, None])  # [num_seqs, num_kv_heads, group, max_q_len, D]
+
+    o = o.permute(0, 3, 1, 2, 4).reshape(p.num_seqs, max_q_len, p.num_heads, p.head_size)
+    p.out.copy_(o[seq_of_token, index_in_seq].to(p.out.dtype))
+    if p.lse is not None:
+        lse = lse.permute(0, 3, 1, 2).reshape(p.num_seqs, max_q_len, p.num_heads)
+        p.lse.copy_(lse[seq_of_token, index_in_seq])
