@@ -1,0 +1,111 @@
+"""Builds random paged-attention problems and their unpaged truth, for tests of every backend.
+
+A case holds, for each sequence, its K/V as plain float64 tensors (the truth the oracle reads) and
+the same values scattered into a paged cache through a random, shuffled block table:
+- every cache slot that no sequence owns (unused blocks, the tail of each last block) is NaN;
+- block-table entries past `ceil(seq_len / block_size)` hold out-of-range ids or -1;
+- with `share_prefix`, the second half of the sequences reuse the first sequence's full prefix
+  blocks (same block ids, same values), as prefix caching and copy-on-write do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass
+class PagedCase:
+    """One problem: paged inputs for the API and the unpaged truth for the oracle."""
+
+    query: torch.Tensor            # [num_tokens, num_heads, head_size], in `dtype`
+    key_cache: torch.Tensor        # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor     # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor         # int32 [num_seqs]
+    cu_seqlens_q: Optional[torch.Tensor]
+    keys: list[torch.Tensor]       # per sequence, float64 [seq_len, num_kv_heads, head_size]
+    values: list[torch.Tensor]
+    q_lens: list[int]
+
+
+def _round_trip(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values representable in `dtype`, so the truth and the kernel see the same numbers."""
+    return x.to(dtype).to(torch.float64)
+
+
+def _shared_blocks(seq_lens: Sequence[int], block_size: int, share_prefix: bool) -> int:
+    """How many full leading blocks the sharing sequences take from sequence 0."""
+    return min(seq_lens) // block_size if share_prefix and len(seq_lens) > 1 else 0
+
+
+def _sharing(s: int, num_seqs: int) -> bool:
+    """Sequences in the second half share sequence 0's prefix blocks."""
+    return s > 0 and s >= num_seqs - num_seqs // 2
+
+
+def _assign_blocks(gen: torch.Generator, seq_lens: Sequence[int], block_size: int,
+                   shared: int, spare: int) -> tuple[list[list[int]], int]:
+    """Random distinct block ids per sequence, shuffled over the whole pool (plus spare blocks
+    nobody owns); sharing sequences start with sequence 0's first `shared` ids."""
+    needed = [-(-n // block_size) for n in seq_lens]
+    reuse = [shared if _sharing(s, len(seq_lens)) else 0 for s in range(len(seq_lens))]
+    total = sum(needed) - sum(reuse) + spare
+    ids = torch.randperm(total, generator=gen).tolist()
+    tables: list[list[int]] = []
+    for n, r in zip(needed, reuse):
+        own, ids = ids[:n - r], ids[n - r:]
+        tables.append((tables[0][:r] if r else []) + own)
+    return tables, total
+
+
+def make_case(
+    seq_lens: Sequence[int], q_lens: Optional[Sequence[int]], *, num_heads: int,
+    num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
+    seed: int = 0, share_prefix: bool = False, nhd: bool = False, spare_blocks: int = 3,
+    device: str = "cpu",
+) -> PagedCase:
+    """A random case. `q_lens=None` means decode (one query per sequence, no cu_seqlens_q).
+    `nhd=True` stores the cache as `[num_blocks, block_size, num_kv_heads, head_size]` and passes
+    the permuted (strided) view."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = _shared_blocks(seq_lens, block_size, share_prefix)
+    tables, num_blocks = _assign_blocks(gen, seq_lens, block_size, shared, spare_blocks)
+    shape = (num_blocks, block_size, num_kv_heads, head_size) if nhd else \
+        (num_blocks, num_kv_heads, block_size, head_size)
+    caches = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(2)]
+    views = [c.permute(0, 2, 1, 3) if nhd else c for c in caches]
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for s, n in enumerate(seq_lens):
+        kv = [_round_trip(torch.randn(n, num_kv_heads, head_size, generator=gen,
+                                      dtype=torch.float64), dtype) for _ in range(2)]
+        if _sharing(s, len(seq_lens)) and shared:
+            kv[0][:shared * block_size] = keys[0][:shared * block_size]
+            kv[1][:shared * block_size] = values[0][:shared * block_size]
+        for truth, view in zip(kv, views):
+            for j, block in enumerate(tables[s]):
+                rows = truth[j * block_size:(j + 1) * block_size]
+                view[block, :, :rows.shape[0]] = rows.transpose(0, 1).to(dtype)
+        keys.append(kv[0])
+        values.append(kv[1])
+    max_blocks = max(len(t) for t in tables) + 2
+    table = torch.full((len(seq_lens), max_blocks), 0, dtype=torch.int32)
+    for s, t in enumerate(tables):
+        table[s, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        pad = torch.randint(num_blocks, 2**31 - 1, (max_blocks - len(t),), generator=gen)
+        pad[::2] = -1
+        table[s, len(t):] = pad.to(torch.int32)
+    cu = None
+    if q_lens is not None:
+        cu = torch.tensor([0, *torch.tensor(list(q_lens)).cumsum(0).tolist()], dtype=torch.int32)
+    num_tokens = sum(q_lens) if q_lens is not None else len(seq_lens)
+    query = _round_trip(torch.randn(num_tokens, num_heads, head_size, generator=gen,
+                                    dtype=torch.float64), dtype).to(dtype)
+    to = torch.device(device)
+    return PagedCase(query.to(to), views[0].to(to), views[1].to(to), table.to(to),
+                     torch.tensor(list(seq_lens), dtype=torch.int32, device=to),
+                     None if cu is None else cu.to(to), keys, values,
+                     list(q_lens) if q_lens is not None else [1] * len(seq_lens))

@@ -1,0 +1,160 @@
+"""Every bad input listed in docs/abi.md raises the documented error, naming the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paged_kernels as pk
+from paged_case import make_case
+
+
+@pytest.fixture
+def case():
+    return make_case([5, 20], [2, 3], num_heads=4, num_kv_heads=2, head_size=8, block_size=4,
+                     dtype=torch.float32)
+
+
+def call(case, **overrides):
+    args = dict(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache,
+                block_tables=case.block_tables, seq_lens=case.seq_lens,
+                cu_seqlens_q=case.cu_seqlens_q)
+    args.update(overrides)
+    return pk.paged_attention(args.pop("query"), args.pop("key_cache"), args.pop("value_cache"),
+                              args.pop("block_tables"), args.pop("seq_lens"), **args)
+
+
+BAD_ARGS = [
+    # (name, overrides builder, error type, words that must appear)
+    ("2-D query", lambda c: {"query": c.query[:, 0]}, ValueError, ["query", "3-D"]),
+    ("int query", lambda c: {"query": c.query.long()}, TypeError, ["query", "dtype"]),
+    ("not a tensor", lambda c: {"query": [1.0]}, TypeError, ["query", "torch.Tensor"]),
+    ("head size mismatch", lambda c: {"query": torch.randn(5, 4, 16)}, ValueError,
+     ["key_cache", "head_size 16"]),
+    ("heads not a multiple", lambda c: {"query": torch.randn(5, 3, 8)}, ValueError,
+     ["num_kv_heads", "num_heads=3"]),
+    ("cache dtype", lambda c: {"key_cache": c.key_cache.half()}, TypeError,
+     ["key_cache", "float32"]),
+    ("value shape", lambda c: {"value_cache": c.value_cache[:-1]}, ValueError, ["value_cache"]),
+    ("3-D cache", lambda c: {"key_cache": c.key_cache[0]}, ValueError, ["key_cache", "4-D"]),
+    ("cache last dim strided", lambda c: {"key_cache": torch.randn(*c.key_cache.shape[:3], 16)[..., ::2]}, ValueError,
+     ["key_cache", "contiguous"]),
+    ("float block table", lambda c: {"block_tables": c.block_tables.float()}, TypeError,
+     ["block_tables", "int32"]),
+    ("int64 seq_lens", lambda c: {"seq_lens": c.seq_lens.long()}, TypeError,
+     ["seq_lens", "int32"]),
+    ("seq_lens length", lambda c: {"seq_lens": c.seq_lens[:1]}, ValueError,
+     ["seq_lens", "shape [2]"]),
+    ("cu_seqlens_q length", lambda c: {"cu_seqlens_q": c.cu_seqlens_q[:2]}, ValueError,
+     ["cu_seqlens_q", "shape [3]"]),
+    ("decode with many tokens", lambda c: {"cu_seqlens_q": None}, ValueError,
+     ["query", "num_tokens == num_seqs"]),
+    ("bad scale", lambda c: {"scale": -1.0}, ValueError, ["scale"]),
+    ("bad window", lambda c: {"sliding_window": 0}, ValueError, ["sliding_window"]),
+    ("bad soft cap", lambda c: {"soft_cap": float("inf")}, ValueError, ["soft_cap"]),
+    ("alibi shape", lambda c: {"alibi_slopes": torch.ones(2)}, ValueError,
+     ["alibi_slopes", "(4,)"]),
+    ("out shape", lambda c: {"out": torch.empty(1, 4, 8)}, ValueError, ["out"]),
+    ("out dtype", lambda c: {"out": torch.empty_like(c.query).half()}, ValueError, ["out"]),
+    ("unknown backend", lambda c: {"backend": "nope"}, ValueError, ["backend", "nope"]),
+    ("block id out of range", lambda c: {"block_tables": c.block_tables.clone().fill_(10**6)},
+     ValueError, ["block_tables", "block ids in"]),
+    ("seq_len beyond table", lambda c: {"seq_lens": torch.tensor([5, 10**5],
+                                                                 dtype=torch.int32)},
+     ValueError, ["seq_lens", "max_blocks_per_seq"]),
+    ("q_len > seq_len", lambda c: {"cu_seqlens_q": torch.tensor([0, 6, 9], dtype=torch.int32),
+                                   "query": torch.randn(9, 4, 8)},
+     ValueError, ["cu_seqlens_q", "q_len 6 > seq_len 5"]),
+    ("cu_seqlens_q decreasing", lambda c: {"cu_seqlens_q": torch.tensor([0, 4, 3],
+                                                                        dtype=torch.int32),
+                                           "query": torch.randn(3, 4, 8)},
+     ValueError, ["cu_seqlens_q", "non-decreasing"]),
+]
+
+
+@pytest.mark.parametrize("name,make,error,words", BAD_ARGS, ids=[b[0] for b in BAD_ARGS])
+def test_bad_attention_input(case, name, make, error, words):
+    with pytest.raises(error) as info:
+        call(case, **make(case))
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+def test_block_table_padding_is_never_checked(case):
+    """Entries past ceil(seq_len / block_size) may hold anything: no error."""
+    assert (case.block_tables[:, -1] != 0).all()
+    call(case)
+
+
+def test_unsupported_feature_names_backend_and_feature(case):
+    from paged_kernels.abi import Support
+    from paged_kernels.backends import Backend, _instances, _REGISTRY
+
+    class Narrow(Backend):
+        name = "narrow-test"
+        support = Support(dtypes=frozenset({torch.float32}), device_types=frozenset({"cpu"}),
+                          features=frozenset({"varlen"}))
+
+        def paged_attention(self, problem):  # pragma: no cover - must not be reached
+            raise AssertionError("called despite unsupported feature")
+
+        def write_kv(self, *args):  # pragma: no cover
+            raise AssertionError
+
+    _REGISTRY["narrow-test"] = "unused:unused"
+    _instances["narrow-test"] = Narrow()
+    try:
+        with pytest.raises(NotImplementedError, match="'narrow-test'.*soft_cap"):
+            call(case, soft_cap=3.0, backend="narrow-test")
+    finally:
+        del _REGISTRY["narrow-test"], _instances["narrow-test"]
+
+
+def test_forced_backend_env(case, monkeypatch):
+    monkeypatch.setenv("PAGED_KERNELS_BACKEND", "nope")
+    with pytest.raises(ValueError, match="backend"):
+        call(case)
+    monkeypatch.setenv("PAGED_KERNELS_BACKEND", "reference")
+    call(case)
+
+
+def kv_rows(n=3):
+    return torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+
+
+CACHE = lambda: (torch.zeros(4, 2, 4, 8), torch.zeros(4, 2, 4, 8))  # noqa: E731
+
+BAD_WRITES = [
+    ("slot dtype", lambda: (*kv_rows(), *CACHE(), torch.tensor([0, 1, 2], dtype=torch.int32)),
+     TypeError, ["slot_mapping", "int64"]),
+    ("slot length", lambda: (*kv_rows(), *CACHE(), torch.tensor([0, 1])), ValueError,
+     ["slot_mapping", "shape [3]"]),
+    ("key heads", lambda: (torch.randn(3, 1, 8), torch.randn(3, 1, 8), *CACHE(),
+                           torch.tensor([0, 1, 2])), ValueError, ["key", "[num_tokens, 2, 8]"]),
+    ("value dtype", lambda: (torch.randn(3, 2, 8), torch.randn(3, 2, 8).half(), *CACHE(),
+                             torch.tensor([0, 1, 2])), ValueError, ["value"]),
+    ("slot out of range", lambda: (*kv_rows(), *CACHE(), torch.tensor([0, 1, 16])), ValueError,
+     ["slot_mapping", "16"]),
+]
+
+
+@pytest.mark.parametrize("name,make,error,words", BAD_WRITES, ids=[b[0] for b in BAD_WRITES])
+def test_bad_write_kv(name, make, error, words):
+    with pytest.raises(error) as info:
+        pk.write_kv(*make(), backend="reference")
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_bad_block_mapping():
+    k, v = CACHE()
+    with pytest.raises(TypeError, match="block_mapping.*int64"):
+        pk.copy_blocks([k], [v], torch.tensor([[0, 1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block_mapping.*shape \[\*, 2\]"):
+        pk.copy_blocks([k], [v], torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="block_mapping.*block ids"):
+        pk.copy_blocks([k], [v], torch.tensor([[0, 9]]))
+    with pytest.raises(ValueError, match="value_caches"):
+        pk.copy_blocks([k, k], [v], torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="dst"):
+        pk.swap_blocks(k, torch.zeros(4, 2, 4, 4), torch.tensor([[0, 1]]))
