@@ -1,0 +1,43 @@
+// pk_mma.cuh: the tensor-core product the varlen kernel uses, one warp-collective function per
+// operand type. On the GPU they are inline PTX `mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}
+// .{f16,bf16}.f32` (sm_80+); under PK_HOST_EMULATION this header defines nothing and the emulator
+// provides functions with the same names, signatures and fragment layout.
+//
+//   D[16x8] (f32) = A[16x16] (row-major) * B[16x8] (column-major) + C[16x8] (f32)
+//
+// All 32 lanes of the warp call it together. With g = lane / 4 and t = lane % 4, each lane holds
+// (a register "pair" holds two 16-bit values, the lower column/k index in the low 16 bits):
+//   a[0] = A[g    ][2t, 2t+1]      a[1] = A[g + 8][2t, 2t+1]
+//   a[2] = A[g    ][2t+8, 2t+9]    a[3] = A[g + 8][2t+8, 2t+9]
+//   b[0] = B[2t, 2t+1  ][g]        b[1] = B[2t+8, 2t+9][g]
+//   c[0], c[1] = C[g    ][2t, 2t+1]        (same for d)
+//   c[2], c[3] = C[g + 8][2t, 2t+1]
+// So for B = K^T with K stored row-major [n][k], b[0] is the 32-bit word K[g][2t..2t+1], and a
+// row-major A gives a[i] as one 32-bit word; a D fragment of two adjacent n-tiles is exactly the
+// A fragment of the next product (P*V) once converted to 16-bit pairs.
+#pragma once
+#include "pk_platform.cuh"
+
+#if !defined(PK_HOST_EMULATION)
+
+__device__ __forceinline__ void pk_mma_m16n8k16_f16(float d[4], const uint32_t a[4],
+                                                    const uint32_t b[2], const float c[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+__device__ __forceinline__ void pk_mma_m16n8k16_bf16(float d[4], const uint32_t a[4],
+                                                     const uint32_t b[2], const float c[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+#endif  // !PK_HOST_EMULATION
