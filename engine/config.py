@@ -1,0 +1,71 @@
+"""The engine's settings: one small dataclass, checked when it is built.
+
+`EngineConfig` holds what the block manager, the scheduler and the runner need. Values that depend
+on the model (the number of KV blocks derived from a memory budget, the default `max_model_len`)
+are resolved by `engine.llm_engine.LLMEngine` once the model is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = f"an int >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Scheduling and memory settings of one engine.
+
+    - `block_size`: tokens per KV block.
+    - `num_kv_blocks` / `kv_cache_memory_bytes`: the device block pool, as a count or as a budget
+      in bytes (at most one may be given; with neither, the engine picks a default budget).
+    - `num_host_blocks`: the host pool used by preemption by swap (0 when `preemption_mode` is
+      "recompute" unless given).
+    - `max_num_seqs`: most sequences in one step; `max_num_batched_tokens`: most tokens in one step
+      (a prefill longer than that is chunked over several steps).
+    - `enable_prefix_caching`: reuse cached full blocks of earlier requests.
+    - `preemption_mode`: "recompute" (free the blocks, recompute later) or "swap" (copy the blocks
+      to the host pool and back).
+    - `max_model_len`: most tokens (prompt + output) in one sequence; None = from the model.
+    - `backend`: the attention backend name passed to `paged_kernels` ("auto" by default).
+    """
+
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    num_host_blocks: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    max_model_len: Optional[int] = None
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require_int("block_size", self.block_size, 1)
+        _require_int("num_kv_blocks", self.num_kv_blocks, 1, allow_none=True)
+        _require_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, allow_none=True)
+        _require_int("num_host_blocks", self.num_host_blocks, 0, allow_none=True)
+        _require_int("max_num_seqs", self.max_num_seqs, 1)
+        _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _require_int("max_model_len", self.max_model_len, 1, allow_none=True)
+        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("num_kv_blocks: expected None when kv_cache_memory_bytes is given "
+                             f"(give one of them), got {self.num_kv_blocks}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode: expected one of {PREEMPTION_MODES}, got "
+                             f"{self.preemption_mode!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError("enable_prefix_caching: expected a bool, got "
+                             f"{self.enable_prefix_caching!r}")
+        if not isinstance(self.backend, str):
+            raise ValueError(f"backend: expected a str, got {self.backend!r}")
