@@ -1,0 +1,1 @@
+"""Benchmarks: pytest-benchmark suites (bench/test_bench_*.py) and benchmark scripts."""
