@@ -1,0 +1,71 @@
+"""Registers the Triton backend (registry name "triton", docs/triton.md).
+
+`TritonBackend()` raises `BackendUnavailable` when Triton cannot be imported, or when there is
+neither a CUDA device nor TRITON_INTERPRET=1. On a CUDA device it runs natively, outranks the
+reference for backend="auto" and takes CUDA tensors; under the interpreter it takes CPU tensors and
+ranks below the reference, so "auto" on the CPU keeps the (much faster) reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_kernels.abi import FEATURES, FLOAT_DTYPES, AttentionProblem, Support
+from paged_kernels.backends import Backend, BackendUnavailable
+
+MAX_HEAD_SIZE = 256
+MAX_BLOCK_SIZE = 256
+
+
+def _support(device_type: str) -> Support:
+    return Support(
+        dtypes=frozenset(FLOAT_DTYPES),
+        device_types=frozenset({device_type}),
+        features=frozenset(FEATURES),
+        max_head_size=MAX_HEAD_SIZE,
+        max_block_size=MAX_BLOCK_SIZE,
+        reasons=(
+            ("max_head_size", "the [rows, head_size] accumulator of one program lives in "
+                              "registers; head sizes are padded to a power of two"),
+            ("max_block_size", "block sizes above 256 are untested"),
+            ("device_types", "Triton runs natively on CUDA, or on CPU tensors in its "
+                             "interpreter (TRITON_INTERPRET=1)"),
+        ),
+    )
+
+
+class TritonBackend(Backend):
+    """Paged attention and write_kv as Triton kernels (decode with split-K, unified varlen)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            raise BackendUnavailable(f"triton cannot be imported: {exc}") from exc
+        from triton_impl import runtime
+        if runtime.interpreting():
+            device_type, self.priority = "cpu", -10
+        elif torch.cuda.is_available():
+            device_type, self.priority = "cuda", 10
+        else:
+            raise BackendUnavailable("no CUDA device, and TRITON_INTERPRET=1 is not set")
+        self._support = _support(device_type)
+        from triton_impl import decode, unified, write_kv
+        self._decode, self._varlen, self._write_kv = (decode.paged_decode, unified.paged_varlen,
+                                                      write_kv.write_kv)
+
+    @property
+    def support(self) -> Support:
+        return self._support
+
+    def paged_attention(self, problem: AttentionProblem) -> None:
+        if problem.is_decode:
+            self._decode(problem)
+        else:
+            self._varlen(problem)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self._write_kv(key, value, key_cache, value_cache, slot_mapping)

@@ -1,0 +1,38 @@
+"""Where the Triton kernels run: natively on a CUDA device, or in Triton's interpreter on the CPU.
+
+`TRITON_INTERPRET=1` must be set before Triton is imported for the interpreter to be used: Triton
+decides at `@triton.jit` decoration time whether a kernel is compiled or interpreted.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (CPU tensors, numpy semantics)."""
+    return os.environ.get(INTERPRET_ENV, "0") not in ("", "0", "false", "False")
+
+
+def device_type() -> str:
+    """'cpu' under the interpreter, else 'cuda'. Callers have checked that one of them exists."""
+    return "cpu" if interpreting() else "cuda"
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 under the interpreter (keeps grids small)."""
+    if interpreting():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count_for(t: torch.Tensor) -> int:
+    """`num_sms` for the device holding `t`."""
+    index = (t.device.index or 0) if t.device.type == "cuda" else 0
+    return num_sms(index)
