@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from paged_kernels.abi import content_checks_requested
-from triton_impl import runtime
 
 
 @triton.jit
@@ -59,12 +58,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     """`cache[slot // block_size, :, slot % block_size] = row` for every non-negative slot.
 
     Arguments were checked by `paged_kernels.attention.write_kv`. Slots past the cache raise
-    ValueError under the interpreter or when content checks are requested (PAGED_KERNELS_CHECK);
-    otherwise (no host synchronisation on the GPU) the kernel skips them.
+    ValueError when content checks are requested (PAGED_KERNELS_CHECK, docs/abi.md); otherwise
+    (no host synchronisation) the kernel skips them.
     """
     num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
     num_slots = num_blocks * block_size
-    if runtime.interpreting() or content_checks_requested(None):
+    if content_checks_requested(None):
         check_slots(slot_mapping, num_slots)
     head_pad = triton.next_power_of_2(head_size)
     _write_kv_kernel[(key.shape[0],)](
