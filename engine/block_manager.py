@@ -113,8 +113,7 @@ class BlockManager:
         """The longest chain of cached blocks holding a prefix of `token_ids`.
 
         At most `(len(token_ids) - 1) // block_size` blocks: at least one token is always left to
-        compute, since the engine needs its logits. Does not change the manager's state (the hit
-        counters aside).
+        compute, since the engine needs its logits. Does not change the manager's state.
         """
         if not self.enable_prefix_caching:
             return []
@@ -128,8 +127,6 @@ class BlockManager:
             if block is None or self._tokens[block] != tokens:
                 break
             hits.append(block)
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += len(hits) * bs
         return hits
 
     def num_blocks_to_admit(self, cached: Sequence[int], num_tokens: int) -> int:
@@ -143,6 +140,8 @@ class BlockManager:
         `find_cached_prefix(token_ids)`); returns the number of tokens already computed."""
         if seq_id in self._tables or seq_id in self._host_tables:
             raise ValueError(f"seq_id: expected a sequence unknown to the manager, got {seq_id}")
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += len(cached) * self.block_size
         for b in cached:
             self._take(b)
         self._tables[seq_id] = list(cached)

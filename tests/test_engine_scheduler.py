@@ -1,0 +1,212 @@
+"""Tests of engine.scheduler with a simulated model: no weights, a KV "memory" of token ids.
+
+The fake engine loop applies each step's swap-out, swap-in and copy-on-write moves to the
+simulated memory in the runner's order, writes the scheduled tokens' ids into their slots, checks
+that every scheduled sequence reads back its own tokens through its block table (what attention
+would read), then "samples" a deterministic next token. That tests the scheduler and block manager
+together by effect: budgets, chunked prefill, preemption by recompute and swap, abort, no leaks.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.request import Sequence, SequenceGroup, SequenceStatus
+from engine.scheduler import Scheduler
+
+
+class FakeEngine:
+    def __init__(self, **config) -> None:
+        num_blocks = config.pop("num_kv_blocks")
+        host = config.pop("num_host_blocks", 0)
+        self.config = EngineConfig(num_kv_blocks=num_blocks, num_host_blocks=host, **config)
+        self.bm = BlockManager(num_blocks, self.config.block_size, host,
+                               self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.bm)
+        self.memory: dict[int, int] = {}
+        self.host: dict[int, int] = {}
+        self.next_seq_id = 0
+        self.steps = []
+        self.finished: dict[str, SequenceGroup] = {}
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, n: int = 1,
+            arrival: float = 0.0) -> SequenceGroup:
+        group = SequenceGroup(request_id, prompt, SimpleNamespace(n=n, max_tokens=max_tokens),
+                              arrival, self.next_seq_id, num_seqs=n)
+        self.next_seq_id += 1
+        self.scheduler.add(group)
+        return group
+
+    def _move(self, src: dict, dst: dict, pairs) -> None:
+        bs = self.config.block_size
+        for s, d in pairs:
+            for o in range(bs):
+                dst[d * bs + o] = src.get(s * bs + o)
+
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        bs = self.config.block_size
+        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert len(out.scheduled) <= self.config.max_num_seqs
+        self._move(self.memory, self.host, out.swap_out)
+        self._move(self.host, self.memory, out.swap_in)
+        self._move(self.memory, self.memory, out.block_copies)
+        for seq, n in out.scheduled:
+            table = self.bm.block_table(seq.seq_id)
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                self.memory[table[p // bs] * bs + p % bs] = seq.token_ids[p]
+        for seq, n in out.scheduled:  # what attention would read
+            end = seq.num_computed_tokens + n
+            table = self.bm.block_table(seq.seq_id)
+            got = [self.memory.get(table[p // bs] * bs + p % bs) for p in range(end)]
+            assert got == seq.token_ids[:end], f"{seq} reads wrong K/V"
+        self.steps.append(out)
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        for seq, n in out.scheduled:
+            if seq.num_uncomputed_tokens == 0 and not seq.is_finished:
+                self._sample(seq)
+        for group in self.scheduler.remove_finished():
+            self.finished[group.request_id] = group
+        self.bm.check_integrity()
+
+    def _sample(self, seq: Sequence) -> None:
+        group = seq.group
+        targets = [seq]
+        if not group.forked:
+            group.forked = True
+            for i in range(1, group.num_seqs_reserved):
+                child = seq.fork(self.next_seq_id, i)
+                self.next_seq_id += 1
+                self.scheduler.fork(seq, child)
+                targets.append(child)
+        for s in targets:
+            s.append_token(1000 + 10 * s.index + len(s.output_token_ids), 0.0)
+            if len(s.output_token_ids) >= group.params.max_tokens:
+                self.scheduler.finish_seq(s, SequenceStatus.FINISHED_LENGTH)
+
+    def run(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished():
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+    def assert_clean(self) -> None:
+        self.bm.check_integrity()
+        assert self.bm.num_used_blocks == 0, "blocks leaked"
+        assert not self.scheduler.has_unfinished()
+
+
+def prompts(seed: int, count: int, low: int = 3, high: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(50) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def expected_outputs(n_tokens: int, index: int = 0) -> list[int]:
+    return [1000 + 10 * index + i for i in range(n_tokens)]
+
+
+def test_all_requests_finish_with_budgets_respected():
+    eng = FakeEngine(num_kv_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
+    for i, p in enumerate(prompts(0, 7)):
+        eng.add(f"r{i}", p, max_tokens=5)
+    eng.run()
+    assert all(g.seqs[0].output_token_ids == expected_outputs(5) for g in eng.finished.values())
+    assert len(eng.finished) == 7
+    eng.assert_clean()
+
+
+def test_chunked_prefill_mixes_with_decode_in_one_step():
+    eng = FakeEngine(num_kv_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    eng.add("short", [1, 2, 3], max_tokens=6)
+    eng.step()  # prefill of the short prompt
+    eng.add("long", list(range(30)), max_tokens=2)
+    eng.step()
+    sizes = {s.group.request_id: n for s, n in eng.steps[-1].scheduled}
+    assert sizes == {"short": 1, "long": 7}  # decode and a prefill chunk in one step
+    eng.run()
+    assert eng.finished["long"].seqs[0].output_token_ids == expected_outputs(2)
+    eng.assert_clean()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_a_tiny_pool_finishes_everything(mode):
+    eng = FakeEngine(num_kv_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                     preemption_mode=mode, num_host_blocks=40)
+    for i, p in enumerate(prompts(1, 5, 6, 12)):
+        eng.add(f"r{i}", p, max_tokens=12, arrival=float(i))
+    eng.run()
+    assert eng.scheduler.num_preemptions > 0
+    if mode == "swap":
+        assert any(s.swap_out for s in eng.steps) and any(s.swap_in for s in eng.steps)
+    for g in eng.finished.values():
+        assert g.seqs[0].output_token_ids == expected_outputs(12)
+    eng.assert_clean()
+
+
+def test_preemption_takes_the_latest_arrival_first():
+    eng = FakeEngine(num_kv_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                     enable_prefix_caching=False)
+    eng.add("old", [1] * 8, max_tokens=12, arrival=0.0)
+    eng.add("new", [2] * 8, max_tokens=12, arrival=1.0)
+    while not eng.scheduler.num_preemptions:
+        eng.step()
+    assert [g.request_id for g in eng.steps[-1].preempted] == ["new"]
+    eng.run()
+    eng.assert_clean()
+
+
+def test_n_samples_fork_and_share_prompt_blocks():
+    eng = FakeEngine(num_kv_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    g = eng.add("r", list(range(10)), max_tokens=3, n=4)
+    eng.step()
+    assert len(g.seqs) == 4
+    assert eng.bm.num_used_blocks == 3  # the prompt's 3 blocks, shared by all four
+    eng.step()  # each writes into the shared partial block: three copies, one in place
+    assert len(eng.steps[-1].block_copies) == 3 and eng.bm.num_used_blocks == 6
+    eng.run()
+    assert sorted(s.output_token_ids[0] for s in g.seqs) == [1000, 1010, 1020, 1030]
+    eng.assert_clean()
+
+
+def test_prefix_cache_hit_skips_computed_blocks():
+    eng = FakeEngine(num_kv_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    p = list(range(13))
+    eng.add("a", p, max_tokens=1)
+    eng.run()
+    eng.add("b", p, max_tokens=1)
+    eng.step()
+    assert eng.steps[-1].scheduled[0][1] == 1  # 12 tokens cached, one computed
+    eng.run()
+    assert eng.bm.prefix_cache_hits == 12
+    eng.assert_clean()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_abort_at_any_point_frees_everything(mode):
+    for seed in range(6):
+        rng = random.Random(seed)
+        eng = FakeEngine(num_kv_blocks=12, block_size=4, max_num_seqs=3,
+                         max_num_batched_tokens=12, preemption_mode=mode, num_host_blocks=12)
+        for i, p in enumerate(prompts(seed, 6, 4, 16)):
+            eng.add(f"r{i}", p, max_tokens=8, n=rng.choice([1, 2]), arrival=float(i))
+        for _ in range(200):
+            if not eng.scheduler.has_unfinished():
+                break
+            if rng.random() < 0.2:
+                live = [g.request_id for g in eng.scheduler.groups()]
+                aborted = eng.scheduler.abort(rng.choice(live))
+                assert aborted is not None and aborted.is_finished
+                eng.bm.check_integrity()
+            else:
+                eng.step()
+        eng.run()
+        eng.assert_clean()
+        assert eng.scheduler.abort("nonexistent") is None
