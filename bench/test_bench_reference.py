@@ -37,7 +37,7 @@ def test_reference(benchmark, batch, context, q_len):
 
     benchmark.pedantic(run, rounds=5, warmup_rounds=1, iterations=1)
     seconds = benchmark.stats.stats.median
-    sdpa = median_seconds(lambda: sdpa_dense(p), DEVICE, repeat=5)
+    sdpa = median_seconds(sdpa_dense(p), DEVICE, repeat=5)
     benchmark.extra_info.update({
         "bytes_moved": p.bytes_moved(),
         "GB/s": p.bytes_moved() / seconds / 1e9,
