@@ -1,0 +1,197 @@
+"""`python -m bench.gpu_check OUT_DIR [--cpu-smoke]`: see the package docstring.
+
+Steps, each bounded in time so the whole run ends inside the budget (8 minutes on one H200):
+1. environment; 2. build the CUDA extension (else the backend compiles at run time through CuPy);
+3. the conformance suite natively, every backend; 4. the device's copy bandwidth and matmul rate;
+5. decode at the headline shapes and a mixed prefill batch, per backend, next to SDPA on contiguous
+K/V and FlexAttention over the paged cache; 6. report.md + report.json, ending in a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.gpu_check import attention_bench, ceilings, report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FULL = {
+    "decode_batches": [1, 32, 128], "decode_contexts": [1024, 4096, 16384],
+    "mixed": ([2048] * 4 + [4096] * 28, [2048] * 4 + [1] * 28),
+    "heads": (32, 8), "head_size": 128, "block_size": 16, "dtype": torch.bfloat16,
+    "copy_bytes": 2 << 30, "matmul_n": 8192, "flex_batches": [32],
+    "conformance_timeout": 200, "build_timeout": 200, "budget_s": 450,
+}
+SMOKE = {
+    "decode_batches": [1, 4], "decode_contexts": [64, 256],
+    "mixed": ([64, 128, 100], [64, 9, 1]),
+    "heads": (8, 2), "head_size": 64, "block_size": 16, "dtype": torch.float32,
+    "copy_bytes": 64 << 20, "matmul_n": 512, "flex_batches": [],
+    "conformance_timeout": 300, "build_timeout": 0, "budget_s": 600,
+}
+
+
+def environment() -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda_available": torch.cuda.is_available(),
+           "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+    for name in ("triton", "cupy", "numpy", "pybind11", "ninja"):
+        try:
+            env[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            env[name] = f"missing ({type(exc).__name__})"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(device=props.name, sm_count=props.multi_processor_count,
+                   capability=f"{props.major}.{props.minor}",
+                   memory_gib=round(props.total_memory / 2**30, 1))
+    else:
+        env["device"] = f"cpu ({platform.processor() or platform.machine()}, "\
+                        f"{os.cpu_count()} cores)"
+    return env
+
+
+def run_logged(cmd: list[str], log: Path, timeout: int, env: dict) -> dict:
+    """Runs `cmd` with output to `log`; returns rc (124 on timeout) and seconds."""
+    start = time.time()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                cwd=ROOT, env=env).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return {"rc": rc, "seconds": round(time.time() - start, 1), "log": log.name}
+
+
+def build_cuda(out: Path, timeout: int, env: dict) -> dict:
+    """Builds the CUDA extension into out/cuda_ext and points the loader at it."""
+    if timeout <= 0 or not torch.cuda.is_available():
+        return {"skipped": "no GPU (the host-execution build is exercised by the test suite)"}
+    ext_dir = out / "cuda_ext"
+    result = run_logged([sys.executable, "-m", "cuda.paged_cuda.build", "--out", str(ext_dir)],
+                        out / "build.log", timeout, env)
+    if result["rc"] == 0:
+        env["PAGED_KERNELS_CUDA_EXT_DIR"] = str(ext_dir)
+        os.environ["PAGED_KERNELS_CUDA_EXT_DIR"] = str(ext_dir)
+    result["ptxas"] = report.ptxas_summary((out / "build.log").read_text(errors="replace"))
+    return result
+
+
+def conformance(out: Path, timeout: int, smoke: bool, env: dict) -> dict:
+    """The conformance and cache-op suites, verbose, streamed to a log that survives a timeout."""
+    cmd = [sys.executable, "-m", "pytest", "tests/test_conformance.py",
+           "tests/test_cache_ops.py", "-v", "-p", "no:cacheprovider", "-k", "not cuda-host"]
+    if smoke:
+        cmd[-1] = "reference and (decode or mixed or write_kv)"
+    elif importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", "8"]
+    result = run_logged(cmd, out / "conformance.log", timeout, env)
+    text = (out / "conformance.log").read_text(errors="replace")
+    result["by_backend"] = report.count_outcomes(text)
+    result["failures"] = re.findall(r"^(?:\[gw\d+\] )?(?:FAILED|ERROR) (\S+)", text, re.M)[:20] \
+        or re.findall(r"(\S+) (?:FAILED|ERROR)", text)[:20]
+    return result
+
+
+def measure(cfg: dict, device: str, deadline: float) -> dict:
+    """Ceilings, then the attention benchmarks, stopping at the deadline."""
+    import paged_kernels as pk
+
+    result: dict = {"ceilings": {
+        "copy": ceilings.copy_bandwidth(device, cfg["copy_bytes"]),
+        "matmul": ceilings.matmul_rate(device, cfg["matmul_n"], cfg["dtype"]),
+    }}
+    copy_gbps = result["ceilings"]["copy"]["GB/s"]
+    tflops = result["ceilings"]["matmul"]["TFLOP/s"]
+    backends = [b for b in pk.available_backends() if b != "cuda-host"]
+    if device == "cuda":
+        backends = [b for b in backends if "cuda" in pk.get_backend(b).support.device_types]
+    result["backends"] = backends
+    common = dict(device=device, dtype=cfg["dtype"], heads=cfg["heads"],
+                  head_size=cfg["head_size"], block_size=cfg["block_size"])
+    rows: list[dict] = []
+    for batch in cfg["decode_batches"]:
+        for context in cfg["decode_contexts"]:
+            if time.time() > deadline:
+                rows.append({"batch": batch, "context": context, "skipped": "time budget"})
+                continue
+            names = [b for b in backends if b != "reference" or batch * context <= 32 * 4096]
+            rows += attention_bench.bench_shape(batch, context, 1, names, **common)
+    if time.time() < deadline:
+        contexts, q_lens = cfg["mixed"]
+        rows += attention_bench.bench_mixed(backends, contexts=contexts, q_lens=q_lens, **common)
+    result["flex"] = flex_rows(cfg, common, deadline)
+    result["rows"] = [attention_bench.add_rates(r, copy_gbps, tflops) for r in rows]
+    for row in result["flex"]:
+        attention_bench.add_rates(row, copy_gbps, tflops)
+    return result
+
+
+def flex_rows(cfg: dict, common: dict, deadline: float) -> list[dict]:
+    from bench.gpu_check import flex_paged
+    from bench.shapes import make_mixed
+
+    rows = []
+    if not flex_paged.flex_available():
+        return [{"backend": "flex-paged", "error": "torch has no flex_attention"}]
+    for batch in cfg["flex_batches"]:
+        for context in cfg["decode_contexts"]:
+            if time.time() > deadline:
+                break
+            p = make_mixed([context] * batch, [1] * batch, num_heads=common["heads"][0],
+                           num_kv_heads=common["heads"][1], head_size=common["head_size"],
+                           block_size=common["block_size"], dtype=common["dtype"],
+                           device=common["device"])
+            row = {"backend": "flex-paged", "batch": batch, "context": context, "q_len": 1,
+                   "bytes": p.bytes_moved(), "flops": p.flops()}
+            try:
+                fn = flex_paged.flex_decode(p)
+                fn()
+                row.update(attention_bench.time_calls([fn], common["device"]))
+            except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__)
+    parser.add_argument("out", type=Path, help="folder for report.md, report.json and logs")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="the same steps on the CPU at tiny sizes (CI runs this)")
+    args = parser.parse_args(argv)
+    start = time.time()
+    cfg = SMOKE if args.cpu_smoke else FULL
+    device = "cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu"
+    if device == "cpu" and not args.cpu_smoke:
+        parser.error("no CUDA device here: use --cpu-smoke")
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    result: dict = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "env": environment()}
+    print(f"[gpu_check] {result['env'].get('device')}", flush=True)
+    result["build"] = build_cuda(args.out, cfg["build_timeout"], env)
+    print(f"[gpu_check] build: {result['build']}", flush=True)
+    result["conformance"] = conformance(args.out, cfg["conformance_timeout"], args.cpu_smoke, env)
+    print(f"[gpu_check] conformance: {result['conformance']['by_backend']}", flush=True)
+    result["bench"] = measure(cfg, device, start + cfg["budget_s"])
+    result["seconds"] = round(time.time() - start, 1)
+    (args.out / "report.json").write_text(json.dumps(result, indent=1, default=str))
+    text = report.markdown(result)
+    (args.out / "report.md").write_text(text)
+    print(text)
+    return 0 if report.healthy(result) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
