@@ -100,7 +100,7 @@ def markdown(result: dict) -> str:
     cp, mm = bench["ceilings"]["copy"], bench["ceilings"]["matmul"]
     out += [f"- device-to-device copy: {cp['GB/s']:.1f} GB/s (read + write, "
             f"{cp['bytes'] / 2**30:.2f} GiB moved per copy)",
-            f"- matmul {mm['n']}^3 {mm['dtype']}: {mm["TFLOP/s"]:.4g} TFLOP/s", "",
+            f"- matmul {mm['n']}^3 {mm['dtype']}: {mm['TFLOP/s']:.4g} TFLOP/s", "",
             "## Attention", "", *_bench_table(bench["rows"]), ""]
     if bench.get("flex"):
         out += ["## FlexAttention over the paged cache", "", *_bench_table(bench["flex"]), ""]
