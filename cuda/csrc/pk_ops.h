@@ -12,8 +12,10 @@
 // Planning (which kernel, grid, threads, shared memory, split count, workspace) happens in ONE
 // place, `cuda/paged_cuda/ops.py`; the launchers only dispatch on the plan's template arguments.
 #pragma once
+#if !defined(__CUDACC_RTC__)  // NVRTC: pk_platform.cuh declares the integer types
 #include <cstddef>
 #include <cstdint>
+#endif
 
 // Kinds: P = pointer, I = int64_t, F = double.
 #define PK_ATTN_FIELDS(P, I, F)                                                            \
@@ -30,7 +32,8 @@
   I(reduce_grid_x) I(reduce_grid_y) I(reduce_threads)                                     \
   F(scale) F(soft_cap)
 
-// One row = `row_bytes` contiguous bytes (a head's `head_size` elements).
+// One row = `row_bytes` contiguous bytes (a head's `head_size` elements); strides in BYTES; rows
+// are copied in units of `unit_bytes` (16, 8, 4 or 2: the alignment of every address involved).
 #define PK_WRITE_KV_FIELDS(P, I, F)                                                        \
   P(key) P(value) P(k_cache) P(v_cache) P(slot_mapping)                                   \
   I(key_stride_token) I(key_stride_head) I(value_stride_token) I(value_stride_head)       \
@@ -41,7 +44,8 @@
 
 // Copies block `mapping[i][0]` of cache `src_caches[c]` to block `mapping[i][1]` of
 // `dst_caches[c]` for every pair i and cache c. `src_caches`/`dst_caches` are device arrays of
-// `num_caches` cache base addresses (int64); strides are in BYTES here and shared by all caches.
+// `num_caches` cache base addresses (int64); strides are in BYTES here and shared by all caches;
+// rows are copied in units of `unit_bytes` as for write_kv.
 #define PK_COPY_FIELDS(P, I, F)                                                            \
   P(src_caches) P(dst_caches) P(mapping)                                                  \
   I(num_caches) I(num_pairs) I(num_kv_heads) I(block_size) I(row_bytes) I(unit_bytes)     \
@@ -49,7 +53,7 @@
   I(dst_stride_block) I(dst_stride_head) I(dst_stride_slot)                               \
   I(grid_x) I(grid_y) I(threads)
 
-#define PK_FIELD_P(name) const void* name;
+#define PK_FIELD_P(name) void* name;
 #define PK_FIELD_I(name) int64_t name;
 #define PK_FIELD_F(name) double name;
 
@@ -67,9 +71,11 @@ enum PkAttnKernel : int64_t {
   PK_KERNEL_VARLEN_SIMT = 2,  // pk_varlen_simt_kernel (any dtype, float32 accumulate)
 };
 
+#if !defined(__CUDACC_RTC__)
 // Paged attention (decode or varlen, chosen by the plan in `p.kernel`). Writes p.out, p.lse.
 const char* pk_paged_attention(const PkAttnParams& p, void* stream);
 // Scatters key/value rows to their slots; negative slots are skipped.
 const char* pk_write_kv(const PkWriteKvParams& p, void* stream);
 // Block copies inside or between caches on the device (copy_blocks, device-side swap_blocks).
 const char* pk_copy_blocks(const PkCopyParams& p, void* stream);
+#endif  // !__CUDACC_RTC__

@@ -1,0 +1,12 @@
+// bf16 attention kernels: decode + the tensor-core (mma) varlen kernel.
+#include "pk_launch.cuh"
+
+template <typename T, int D>
+const char* pk_launch_varlen(const PkAttnParams& p, void* stream) {
+  if (p.kernel != PK_KERNEL_VARLEN_MMA) return "varlen: 16-bit types run the mma kernel only";
+  return pk_launch_one(&pk_varlen_mma_kernel<T, D>, p, stream);
+}
+
+const char* pk_attention_bf16(const PkAttnParams& p, void* stream) {
+  return pk_launch_attention<__nv_bfloat16>(p, stream);
+}

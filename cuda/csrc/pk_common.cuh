@@ -1,0 +1,91 @@
+// pk_common.cuh: element conversions, 16-byte vector loads/stores and warp reductions shared by
+// the kernels. Everything here is device code in the agreed CUDA subset.
+#pragma once
+#include "pk_platform.cuh"
+
+// ---- element <-> float ----
+__device__ __forceinline__ float pk_to_float(float x) { return x; }
+__device__ __forceinline__ float pk_to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float pk_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T pk_from_float(float x);
+template <> __device__ __forceinline__ float pk_from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half pk_from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 pk_from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Two floats -> one 32-bit register of two 16-bit values (low = `lo`), the mma operand format.
+template <typename T> __device__ __forceinline__ uint32_t pk_pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pk_pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pk_pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// ---- 16-byte vectors: VEC elements of T ----
+template <typename T> struct PkVec {
+  static constexpr int N = 16 / static_cast<int>(sizeof(T));
+};
+
+// Raw 16-byte load; `ptr` must be 16-byte aligned (ops.py guarantees it for every tensor row).
+template <typename T>
+__device__ __forceinline__ uint4 pk_load16(const T* ptr) {
+  return __ldg(reinterpret_cast<const uint4*>(ptr));
+}
+
+template <typename T>
+__device__ __forceinline__ void pk_unpack16(const uint4& raw, float (&out)[PkVec<T>::N]) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < PkVec<T>::N; ++i) out[i] = pk_to_float(e[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void pk_store16(T* ptr, const float (&in)[PkVec<T>::N]) {
+  uint4 raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < PkVec<T>::N; ++i) e[i] = pk_from_float<T>(in[i]);
+  *reinterpret_cast<uint4*>(ptr) = raw;
+}
+
+// ---- reductions over aligned groups of WIDTH lanes (WIDTH a power of two <= 32) ----
+// Every lane of the warp must call these (full-mask shuffles).
+template <int WIDTH>
+__device__ __forceinline__ float pk_group_sum(float v) {
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off /= 2) v += __shfl_xor_sync(PK_FULL_MASK, v, off);
+  return v;
+}
+
+template <int WIDTH>
+__device__ __forceinline__ float pk_group_max(float v) {
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(PK_FULL_MASK, v, off));
+  return v;
+}
+
+// ---- score transforms shared by all attention kernels (docs/abi.md order) ----
+// `s` is already scaled; soft cap then ALiBi (slope * (key position - query position)).
+__device__ __forceinline__ float pk_transform_score(float s, float soft_cap, float slope,
+                                                    int64_t k_pos, int64_t q_pos) {
+  if (soft_cap > 0.f) s = soft_cap * tanhf(s / soft_cap);
+  return s + slope * static_cast<float>(k_pos - q_pos);
+}
+
+// exp(x - m) that is 0 (not NaN) when both are -inf.
+__device__ __forceinline__ float pk_exp_shifted(float x, float m) {
+  return m == -INFINITY ? 0.f : __expf(x - m);
+}
+
+// Block id of token `t` of a sequence, widened to int64 before any multiplication by a stride.
+__device__ __forceinline__ int64_t pk_block_of(const int32_t* __restrict__ table, int64_t t,
+                                               int block_size) {
+  return static_cast<int64_t>(__ldg(table + t / block_size));
+}

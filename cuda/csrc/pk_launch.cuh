@@ -1,0 +1,82 @@
+// pk_launch.cuh: the launchers' template dispatch (host code; not read by NVRTC).
+//
+// The plan (kernel, template arguments, grid, threads, shared memory, splits) arrives in the
+// params struct from cuda/paged_cuda/ops.py; these functions only map its runtime values to the
+// compiled template instantiations and launch. Each dtype's attention kernels are instantiated in
+// their own translation unit (pk_attention_<dtype>.cu) so nvcc compiles them in parallel.
+//
+// PK_HEAD_SIZES(X) lists the compiled head sizes; a build may define it to a subset (the compile
+// check's fast mode, the host build's test set), and a launch for another size then returns an
+// error naming it.
+#pragma once
+#include "pk_platform.cuh"
+#include "pk_ops.h"
+#include "pk_decode.cuh"
+#include "pk_varlen.cuh"
+
+#ifndef PK_HEAD_SIZES
+#define PK_HEAD_SIZES(X) X(64) X(80) X(96) X(112) X(128) X(192) X(256)
+#endif
+
+#define PK_STREAM(s) static_cast<cudaStream_t>(s)
+
+template <typename T, int D, int GT>
+const char* pk_launch_decode(const PkAttnParams& p, void* stream) {
+  auto kernel = &pk_decode_kernel<T, D, GT>;
+  if (p.smem_bytes > 48 * 1024) PK_SET_MAX_DYNAMIC_SMEM(kernel, p.smem_bytes);
+  PK_LAUNCH(kernel, dim3(p.grid_x, p.grid_y, p.grid_z), dim3(p.threads), p.smem_bytes,
+            PK_STREAM(stream), p);
+  if (const char* err = PK_LAST_LAUNCH_ERROR()) return err;
+  if (p.num_splits > 1) {
+    auto reduce = &pk_decode_reduce_kernel<T>;
+    PK_LAUNCH(reduce, dim3(p.reduce_grid_x, p.reduce_grid_y, 1), dim3(p.reduce_threads), 0,
+              PK_STREAM(stream), p);
+    return PK_LAST_LAUNCH_ERROR();
+  }
+  return nullptr;
+}
+
+template <typename T, int D>
+const char* pk_launch_decode_group(const PkAttnParams& p, void* stream) {
+  switch (p.group_tile) {
+    case 1: return pk_launch_decode<T, D, 1>(p, stream);
+    case 2: return pk_launch_decode<T, D, 2>(p, stream);
+    case 4: return pk_launch_decode<T, D, 4>(p, stream);
+    case 8: return pk_launch_decode<T, D, 8>(p, stream);
+    default: return "decode: group_tile must be 1, 2, 4 or 8";
+  }
+}
+
+template <typename Kernel>
+const char* pk_launch_one(Kernel kernel, const PkAttnParams& p, void* stream) {
+  if (p.smem_bytes > 48 * 1024) PK_SET_MAX_DYNAMIC_SMEM(kernel, p.smem_bytes);
+  PK_LAUNCH(kernel, dim3(p.grid_x, p.grid_y, p.grid_z), dim3(p.threads), p.smem_bytes,
+            PK_STREAM(stream), p);
+  return PK_LAST_LAUNCH_ERROR();
+}
+
+// The varlen kernels of element type T: the mma kernel for 16-bit types, SIMT for float32.
+template <typename T, int D>
+const char* pk_launch_varlen(const PkAttnParams& p, void* stream);
+
+template <typename T, int D>
+const char* pk_launch_attention_d(const PkAttnParams& p, void* stream) {
+  if (p.kernel == PK_KERNEL_DECODE) return pk_launch_decode_group<T, D>(p, stream);
+  return pk_launch_varlen<T, D>(p, stream);
+}
+
+// Entry point per dtype: dispatch on head size.
+template <typename T>
+const char* pk_launch_attention(const PkAttnParams& p, void* stream) {
+#define PK_HEAD_CASE(D) \
+  case D: return pk_launch_attention_d<T, D>(p, stream);
+  switch (p.head_size) {
+    PK_HEAD_SIZES(PK_HEAD_CASE)
+    default: return "head_size is not compiled into this build (see PK_HEAD_SIZES)";
+  }
+#undef PK_HEAD_CASE
+}
+
+const char* pk_attention_f32(const PkAttnParams& p, void* stream);
+const char* pk_attention_f16(const PkAttnParams& p, void* stream);
+const char* pk_attention_bf16(const PkAttnParams& p, void* stream);

@@ -1,0 +1,397 @@
+// pk_varlen.cuh: attention for batches described by cu_seqlens_q (prefill, chunked prefill on a
+// cached prefix, decode, several query tokens per sequence), tiled over query tokens.
+//
+// Both kernels pack the query heads of one GQA group with the query tokens into the rows of a
+// tile: row r is token (r / heads_per_cta) and head (r % heads_per_cta) of the chunk, so one
+// K/V tile in shared memory serves every head of the group.
+//   Grid: (num_tokens / q_tile_tokens + num_seqs, num_kv_heads * num_head_chunks, 1). Tile x of
+//   sequence s is x - (cu_seqlens_q[s] / q_tile_tokens + s) (an upper bound on the tiles each
+//   sequence needs, found by binary search without a host synchronisation); blocks past the
+//   sequence's query tokens exit at once.
+//   One thread block owns: q_tile_tokens query tokens of one sequence x heads_per_cta heads of
+//   one KV head's group, against keys [kv_lo, last query position] of that sequence (the
+//   sliding window trims kv_lo).
+//   Bytes moved: the queries once; K and V of the visible range once per block (tiles of
+//   PK_VARLEN_BN keys gathered through the block table); one output row (+ lse) per row.
+//   Invariants: keys past a row's position or before its window start get -inf before the
+//   softmax; keys at positions >= the tile's last query position + 1 are never loaded (zeros
+//   instead), so NaN in unused cache slots cannot reach the result; offsets are int64.
+//
+// pk_varlen_mma_kernel<T = __half | __nv_bfloat16, HEAD_SIZE>: 4 warps x 16 rows (64 rows);
+//   S = Q K^T and O += P V with mma.m16n8k16 (pk_mma.cuh), online softmax in registers (each
+//   lane holds rows g and g + 8 of its warp's 16), float32 accumulation.
+//   Shared memory: Q [64][HEAD_SIZE + 8], K [BN][HEAD_SIZE + 8], V^T [HEAD_SIZE][BN + 8] (T).
+// pk_varlen_simt_kernel<T, HEAD_SIZE>: 4 warps x 4 rows (16 rows), lane j <-> key j of the tile,
+//   float32 everywhere (the float32 path). Shared memory: Q [16][HEAD_SIZE], K [BN][HEAD_SIZE + 1],
+//   V [BN][HEAD_SIZE] (float).
+#pragma once
+#include "pk_common.cuh"
+#include "pk_mma.cuh"
+#include "pk_ops.h"
+
+constexpr int PK_VARLEN_THREADS = 128;
+constexpr int PK_VARLEN_BN = 32;         // keys per K/V tile (both kernels)
+constexpr int PK_VARLEN_MMA_ROWS = 64;   // rows per block of the mma kernel
+constexpr int PK_VARLEN_SIMT_ROWS = 16;  // rows per block of the SIMT kernel
+constexpr int PK_VARLEN_SIMT_RPW = PK_VARLEN_SIMT_ROWS / 4;  // rows per warp
+
+// The m16n8k16 product for operand type T (d and c may be the same array).
+template <typename T> struct PkMma;
+template <> struct PkMma<__half> {
+  static __device__ __forceinline__ void run(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                             const float c[4]) {
+    pk_mma_m16n8k16_f16(d, a, b, c);
+  }
+};
+template <> struct PkMma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                             const float c[4]) {
+    pk_mma_m16n8k16_bf16(d, a, b, c);
+  }
+};
+
+// Where one block of a varlen kernel works (see the file comment).
+struct PkVarlenTile {
+  int seq, kvh, head0, nh, hc, ntok;
+  int64_t seq_len, tok0, pos_lo, kv_lo, kv_end;
+};
+
+// Finds this block's sequence and tile; false when the block has no query token.
+__device__ __forceinline__ bool pk_varlen_locate(const PkAttnParams& p, PkVarlenTile& t) {
+  const int bq = static_cast<int>(p.q_tile_tokens);
+  const int32_t* cu = static_cast<const int32_t*>(p.cu_seqlens_q);
+  const int bx = blockIdx.x;
+  int lo = 0, hi = static_cast<int>(p.num_seqs) - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(cu + mid) / bq + mid <= bx) lo = mid; else hi = mid - 1;
+  }
+  t.seq = lo;
+  const int64_t q_begin = __ldg(cu + lo), q_len = __ldg(cu + lo + 1) - q_begin;
+  const int64_t q_start = static_cast<int64_t>(bx - (q_begin / bq + lo)) * bq;
+  if (q_start >= q_len) return false;
+  const int chunks = static_cast<int>(p.num_head_chunks);
+  const int group = static_cast<int>(p.group);
+  t.kvh = blockIdx.y / chunks;
+  t.hc = static_cast<int>(p.heads_per_cta);
+  t.head0 = t.kvh * group + (blockIdx.y % chunks) * t.hc;
+  t.nh = min(t.hc, group - (static_cast<int>(blockIdx.y) % chunks) * t.hc);
+  t.ntok = static_cast<int>(q_len - q_start < bq ? q_len - q_start : bq);
+  t.seq_len = __ldg(static_cast<const int32_t*>(p.seq_lens) + lo);
+  t.tok0 = q_begin + q_start;
+  t.pos_lo = t.seq_len - q_len + q_start;
+  t.kv_end = t.pos_lo + t.ntok;  // one past the last query position
+  const int64_t w = p.sliding_window;
+  t.kv_lo = (w > 0 && t.pos_lo - w + 1 > 0) ? t.pos_lo - w + 1 : 0;
+  return true;
+}
+
+// Whether key position `k` is visible from query position `q`.
+__device__ __forceinline__ bool pk_visible(int64_t k, int64_t q, int64_t window) {
+  return k <= q && (window <= 0 || k > q - window);
+}
+
+// Writes one output row's lse (rows outside the tile are filtered by the caller).
+__device__ __forceinline__ void pk_write_lse(const PkAttnParams& p, int64_t tok, int head,
+                                             float m, float l) {
+  if (p.lse != nullptr)
+    static_cast<float*>(p.lse)[tok * p.num_heads + head] = l > 0.f ? m + logf(l) : -INFINITY;
+}
+
+// ------------------------------------------------------------------------------------------
+template <typename T, int HEAD_SIZE>
+__global__ void __launch_bounds__(PK_VARLEN_THREADS, 1)
+pk_varlen_mma_kernel(const PkAttnParams p) {
+  constexpr int BN = PK_VARLEN_BN, D = HEAD_SIZE, DP = D + 8, BNP = BN + 8;
+  constexpr int VEC = PkVec<T>::N, NVEC = D / VEC;
+  constexpr int KS = D / 16;        // k-slices of Q K^T
+  constexpr int NT = BN / 8;        // n-tiles of S
+  constexpr int DT = D / 8;         // n-tiles of O
+  static_assert(D % 16 == 0, "mma path needs head_size % 16 == 0");
+  extern __shared__ float4 pk_smem4[];
+  T* qs = reinterpret_cast<T*>(pk_smem4);  // [64][DP]
+  T* ks = qs + PK_VARLEN_MMA_ROWS * DP;    // [BN][DP]
+  T* vt = ks + BN * DP;                    // [D][BNP]
+
+  PkVarlenTile t;
+  if (!pk_varlen_locate(p, t)) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int block_size = static_cast<int>(p.block_size);
+  const float scale = static_cast<float>(p.scale), soft_cap = static_cast<float>(p.soft_cap);
+
+  // Q tile -> shared memory (rows past the tile or the group are zeros).
+  for (int idx = threadIdx.x; idx < PK_VARLEN_MMA_ROWS * NVEC; idx += PK_VARLEN_THREADS) {
+    const int r = idx / NVEC, v = idx % NVEC;
+    const int tok = r / t.hc, h = r % t.hc;
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    if (tok < t.ntok && h < t.nh)
+      raw = pk_load16(static_cast<const T*>(p.q) + (t.tok0 + tok) * p.q_stride_token +
+                      (t.head0 + h) * p.q_stride_head + v * VEC);
+    *reinterpret_cast<uint4*>(qs + r * DP + v * VEC) = raw;
+  }
+
+  // This lane's two rows (g and g + 8 of the warp's 16).
+  int64_t row_pos[2];
+  bool row_ok[2];
+  float slope[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = warp * 16 + g + hr * 8;
+    const int tok = r / t.hc, h = r % t.hc;
+    row_ok[hr] = tok < t.ntok && h < t.nh;
+    row_pos[hr] = t.pos_lo + tok;
+    slope[hr] = (row_ok[hr] && p.alibi_slopes != nullptr)
+                    ? __ldg(static_cast<const float*>(p.alibi_slopes) + t.head0 + h) : 0.f;
+  }
+
+  float o[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  const int32_t* table = static_cast<const int32_t*>(p.block_tables) + t.seq * p.bt_stride;
+  const T* kbase = static_cast<const T*>(p.k_cache) + t.kvh * p.k_stride_head;
+  const T* vbase = static_cast<const T*>(p.v_cache) + t.kvh * p.v_stride_head;
+
+  for (int64_t kv0 = t.kv_lo; kv0 < t.kv_end; kv0 += BN) {
+    __syncthreads();  // the previous tile is consumed (and Q is stored, first time)
+    for (int idx = threadIdx.x; idx < BN * NVEC; idx += PK_VARLEN_THREADS) {
+      const int j = idx / NVEC, v = idx % NVEC;
+      const int64_t kv = kv0 + j;
+      uint4 kraw = make_uint4(0u, 0u, 0u, 0u), vraw = kraw;
+      if (kv < t.kv_end) {
+        const int64_t blk = pk_block_of(table, kv, block_size), slot = kv % block_size;
+        kraw = pk_load16(kbase + blk * p.k_stride_block + slot * p.k_stride_slot + v * VEC);
+        vraw = pk_load16(vbase + blk * p.v_stride_block + slot * p.v_stride_slot + v * VEC);
+      }
+      *reinterpret_cast<uint4*>(ks + j * DP + v * VEC) = kraw;
+      const T* ve = reinterpret_cast<const T*>(&vraw);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) vt[(v * VEC + e) * BNP + j] = ve[e];
+    }
+    __syncthreads();
+
+    // S = Q K^T for this warp's 16 rows.
+    float s[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      uint32_t a[4];
+      const T* q0 = qs + (warp * 16 + g) * DP + kk * 16 + 2 * tq;
+      a[0] = *reinterpret_cast<const uint32_t*>(q0);
+      a[1] = *reinterpret_cast<const uint32_t*>(q0 + 8 * DP);
+      a[2] = *reinterpret_cast<const uint32_t*>(q0 + 8);
+      a[3] = *reinterpret_cast<const uint32_t*>(q0 + 8 * DP + 8);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        uint32_t b[2];
+        const T* k0 = ks + (nt * 8 + g) * DP + kk * 16 + 2 * tq;
+        b[0] = *reinterpret_cast<const uint32_t*>(k0);
+        b[1] = *reinterpret_cast<const uint32_t*>(k0 + 8);
+        PkMma<T>::run(s[nt], a, b, s[nt]);
+      }
+    }
+
+    // Scale, transform, mask; online softmax per row.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int hr = c / 2;
+        const int64_t kv = kv0 + nt * 8 + 2 * tq + (c % 2);
+        float x = -INFINITY;
+        if (row_ok[hr] && kv < t.kv_end && pk_visible(kv, row_pos[hr], p.sliding_window))
+          x = pk_transform_score(s[nt][c] * scale, soft_cap, slope[hr], kv, row_pos[hr]);
+        s[nt][c] = x;
+        tile_max[hr] = fmaxf(tile_max[hr], x);
+      }
+    float alpha[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float mx = pk_group_max<4>(tile_max[hr]);
+      const float m_new = fmaxf(m[hr], mx);
+      alpha[hr] = m_new == -INFINITY ? 1.f : pk_exp_shifted(m[hr], m_new);
+      m[hr] = m_new;
+    }
+    float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float e = pk_exp_shifted(s[nt][c], m[c / 2]);
+        s[nt][c] = e;
+        rowsum[c / 2] += e;
+      }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) l[hr] = l[hr] * alpha[hr] + rowsum[hr];
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0];
+      o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
+    }
+
+    // O += P V (P's accumulator fragments are the A operand's layout).
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = pk_pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pk_pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pk_pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pk_pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        uint32_t b[2];
+        const T* v0 = vt + (dt * 8 + g) * BNP + kk * 16 + 2 * tq;
+        b[0] = *reinterpret_cast<const uint32_t*>(v0);
+        b[1] = *reinterpret_cast<const uint32_t*>(v0 + 8);
+        PkMma<T>::run(o[dt], a, b, o[dt]);
+      }
+    }
+  }
+
+  // Normalise and write this lane's elements of rows g and g + 8.
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const float lsum = pk_group_sum<4>(l[hr]);
+    if (!row_ok[hr]) continue;
+    const int r = warp * 16 + g + hr * 8;
+    const int64_t tok = t.tok0 + r / t.hc;
+    const int head = t.head0 + r % t.hc;
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    T* out = static_cast<T*>(p.out) + tok * p.o_stride_token + head * p.o_stride_head;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      const int d = dt * 8 + 2 * tq;
+      out[d] = pk_from_float<T>(o[dt][2 * hr] * inv);
+      out[d + 1] = pk_from_float<T>(o[dt][2 * hr + 1] * inv);
+    }
+    if (tq == 0) pk_write_lse(p, tok, head, m[hr], lsum);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+template <typename T, int HEAD_SIZE>
+__global__ void __launch_bounds__(PK_VARLEN_THREADS, 1)
+pk_varlen_simt_kernel(const PkAttnParams p) {
+  constexpr int BN = PK_VARLEN_BN, D = HEAD_SIZE, KP = D + 1, RPW = PK_VARLEN_SIMT_RPW;
+  constexpr int VEC = PkVec<T>::N, NVEC = D / VEC;
+  constexpr int DPL = (D + 31) / 32;  // output elements per lane and row
+  static_assert(BN == 32, "lane j holds key j of the tile");
+  extern __shared__ float4 pk_smem4[];
+  float* qs = reinterpret_cast<float*>(pk_smem4);  // [16][D]
+  float* ks = qs + PK_VARLEN_SIMT_ROWS * D;         // [BN][KP]
+  float* vs = ks + BN * KP;                         // [BN][D]
+
+  PkVarlenTile t;
+  if (!pk_varlen_locate(p, t)) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int block_size = static_cast<int>(p.block_size);
+  const float scale = static_cast<float>(p.scale), soft_cap = static_cast<float>(p.soft_cap);
+
+  for (int idx = threadIdx.x; idx < PK_VARLEN_SIMT_ROWS * NVEC; idx += PK_VARLEN_THREADS) {
+    const int r = idx / NVEC, v = idx % NVEC;
+    const int tok = r / t.hc, h = r % t.hc;
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    if (tok < t.ntok && h < t.nh)
+      raw = pk_load16(static_cast<const T*>(p.q) + (t.tok0 + tok) * p.q_stride_token +
+                      (t.head0 + h) * p.q_stride_head + v * VEC);
+    float f[VEC];
+    pk_unpack16<T>(raw, f);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) qs[r * D + v * VEC + e] = f[e] * scale;
+  }
+
+  int64_t row_pos[RPW];
+  bool row_ok[RPW];
+  float slope[RPW], m[RPW], l[RPW], o[RPW][DPL];
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    const int r = warp * RPW + i;
+    const int tok = r / t.hc, h = r % t.hc;
+    row_ok[i] = tok < t.ntok && h < t.nh;
+    row_pos[i] = t.pos_lo + tok;
+    slope[i] = (row_ok[i] && p.alibi_slopes != nullptr)
+                   ? __ldg(static_cast<const float*>(p.alibi_slopes) + t.head0 + h) : 0.f;
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < DPL; ++c) o[i][c] = 0.f;
+  }
+
+  const int32_t* table = static_cast<const int32_t*>(p.block_tables) + t.seq * p.bt_stride;
+  const T* kbase = static_cast<const T*>(p.k_cache) + t.kvh * p.k_stride_head;
+  const T* vbase = static_cast<const T*>(p.v_cache) + t.kvh * p.v_stride_head;
+
+  for (int64_t kv0 = t.kv_lo; kv0 < t.kv_end; kv0 += BN) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < BN * NVEC; idx += PK_VARLEN_THREADS) {
+      const int j = idx / NVEC, v = idx % NVEC;
+      const int64_t kv = kv0 + j;
+      uint4 kraw = make_uint4(0u, 0u, 0u, 0u), vraw = kraw;
+      if (kv < t.kv_end) {
+        const int64_t blk = pk_block_of(table, kv, block_size), slot = kv % block_size;
+        kraw = pk_load16(kbase + blk * p.k_stride_block + slot * p.k_stride_slot + v * VEC);
+        vraw = pk_load16(vbase + blk * p.v_stride_block + slot * p.v_stride_slot + v * VEC);
+      }
+      float kf[VEC], vf[VEC];
+      pk_unpack16<T>(kraw, kf);
+      pk_unpack16<T>(vraw, vf);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        ks[j * KP + v * VEC + e] = kf[e];
+        vs[j * D + v * VEC + e] = vf[e];
+      }
+    }
+    __syncthreads();
+
+    const int64_t kv = kv0 + lane;
+    float s[RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) s[i] = 0.f;
+    for (int d = 0; d < D; ++d) {
+      const float k = ks[lane * KP + d];
+#pragma unroll
+      for (int i = 0; i < RPW; ++i) s[i] = fmaf(qs[(warp * RPW + i) * D + d], k, s[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+      float x = -INFINITY;
+      if (row_ok[i] && kv < t.kv_end && pk_visible(kv, row_pos[i], p.sliding_window))
+        x = pk_transform_score(s[i], soft_cap, slope[i], kv, row_pos[i]);
+      const float m_new = fmaxf(m[i], pk_group_max<32>(x));
+      const float alpha = m_new == -INFINITY ? 1.f : pk_exp_shifted(m[i], m_new);
+      const float e = pk_exp_shifted(x, m_new);
+      m[i] = m_new;
+      l[i] = l[i] * alpha + pk_group_sum<32>(e);
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) o[i][c] *= alpha;
+      for (int j = 0; j < BN; ++j) {
+        const float pj = __shfl_sync(PK_FULL_MASK, e, j);
+#pragma unroll
+        for (int c = 0; c < DPL; ++c) {
+          const int d = lane + 32 * c;
+          if (d < D) o[i][c] = fmaf(pj, vs[j * D + d], o[i][c]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    if (!row_ok[i]) continue;
+    const int r = warp * RPW + i;
+    const int64_t tok = t.tok0 + r / t.hc;
+    const int head = t.head0 + r % t.hc;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    T* out = static_cast<T*>(p.out) + tok * p.o_stride_token + head * p.o_stride_head;
+#pragma unroll
+    for (int c = 0; c < DPL; ++c) {
+      const int d = lane + 32 * c;
+      if (d < D) out[d] = pk_from_float<T>(o[i][c] * inv);
+    }
+    if (lane == 0) pk_write_lse(p, tok, head, m[i], l[i]);
+  }
+}
