@@ -155,12 +155,18 @@ def flex_rows(cfg: dict, common: dict, deadline: float) -> list[dict]:
                            device=common["device"])
             row = {"backend": "flex-paged", "batch": batch, "context": context, "q_len": 1,
                    "bytes": p.bytes_moved(), "flops": p.flops()}
-            try:
-                fn = flex_paged.flex_decode(p)
-                fn()
-                row.update(attention_bench.time_calls([fn], common["device"]))
-            except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            errors = []
+            for options in (None, {"BLOCK_N": common["block_size"]}):
+                try:
+                    fn = flex_paged.flex_decode(p, options)
+                    fn()
+                    row.update(attention_bench.time_calls([fn], common["device"]),
+                               kernel_options=options)
+                    break
+                except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported
+                    errors.append(f"{options}: {type(exc).__name__}: {str(exc)[:200]}")
+            else:
+                row["error"] = "; ".join(errors)
             rows.append(row)
     return rows
 

@@ -7,7 +7,7 @@ kernel skip every page the sequence does not own. Decode only (one query per seq
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -22,7 +22,8 @@ def flex_available() -> bool:
     return True
 
 
-def flex_decode(p: BenchProblem) -> Callable[[], torch.Tensor]:
+def flex_decode(p: BenchProblem, kernel_options: Optional[dict] = None
+                ) -> Callable[[], torch.Tensor]:
     """A closure computing decode attention for `p` with flex_attention and a paged block mask;
     returns `[num_seqs, num_heads, head_size]`-shaped output (as `[B, 1, H, D]` reshaped)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -52,4 +53,5 @@ def flex_decode(p: BenchProblem) -> Callable[[], torch.Tensor]:
     q = p.query.view(batch, num_heads, 1, head_size)
     compiled = torch.compile(flex_attention, dynamic=False)
     gqa = num_heads != kv_heads
-    return lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    return lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa,
+                            kernel_options=kernel_options)
