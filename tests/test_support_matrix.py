@@ -1,0 +1,91 @@
+"""docs/support-matrix.md is generated from the backends' declarations (tools/support_matrix.py):
+it must be current, agree with what the backends available here declare on their instances, and
+count the conformance matrix's skips the way the conformance suite decides them."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import conformance
+import paged_kernels as pk
+from paged_kernels.abi import FEATURES, Support
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("support_matrix",
+                                                  ROOT / "tools" / "support_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+tool = _load_tool()
+
+
+def test_committed_support_matrix_is_current() -> None:
+    committed = tool.DOC.read_text() if tool.DOC.exists() else ""
+    assert committed == tool.generate(), (
+        f"docs/support-matrix.md is stale: refresh it with `{tool.COMMAND}` and commit it")
+
+
+def test_check_flag_reports_a_stale_file(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(tool, "DOC", tmp_path / "support-matrix.md")
+    tool.DOC.write_text("stale\n")
+    monkeypatch.setattr(tool, "ROOT", tmp_path)
+    assert tool.main(["--check"]) == 1
+    assert tool.COMMAND in capsys.readouterr().out
+    assert tool.main([]) == 0 and tool.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("name", pk.registered_backends())
+def test_declaration_agrees_with_the_instance_here(name: str) -> None:
+    """A backend that runs here supports on its instance exactly what it declares, on a subset
+    of the declared device types (the doc must not promise what the suite would skip)."""
+    if name not in pk.available_backends():
+        pytest.skip(f"{name} unavailable here: {pk.unavailable_backends().get(name)}")
+    declared = tool.declaration(name).support
+    if declared is None:
+        pytest.skip(f"{name}: {tool.declaration(name).source}")
+    actual = pk.get_backend(name).support
+    assert actual.device_types <= declared.device_types
+    for field in ("dtypes", "features", "head_sizes", "max_head_size", "block_sizes",
+                  "max_block_size"):
+        assert getattr(actual, field) == getattr(declared, field), field
+
+
+LIMITED = Support(dtypes=frozenset({torch.float16, torch.bfloat16}),
+                  device_types=frozenset({"cuda"}),
+                  features=frozenset(FEATURES) - {"alibi"},
+                  max_head_size=128, block_sizes=frozenset({16, 32}),
+                  reasons=(("max_head_size", "accumulators live in registers"),))
+
+
+def test_coverage_counts_match_a_direct_count() -> None:
+    fast = conformance.fast_matrix()
+    run, reasons = tool.coverage(LIMITED, fast, "cuda")
+    expected_run = sum(
+        c.dtype != torch.float32 and c.head_size <= 128 and c.block_size in (16, 32)
+        and "alibi" not in c.features for c in fast)
+    assert run == expected_run and 0 < run < len(fast)
+    assert sum(reasons.values()) == len(fast) - run
+    assert any("dtype torch.float32" in r for r in reasons)
+    run_cpu, reasons_cpu = tool.coverage(LIMITED, fast, "cpu")
+    assert run_cpu == 0 and all(r.startswith("device type 'cpu'") for r in reasons_cpu)
+
+
+def test_render_shows_limits_reasons_and_unreadable_declarations() -> None:
+    decls = [tool.Declaration("fast", LIMITED, "somewhere.SUPPORT"),
+             tool.Declaration("ghost", None, "declaration not importable here: no module")]
+    text = tool.render(decls, conformance.fast_matrix(), conformance.fast_matrix())
+    assert "| `fast` | cuda | float16, bfloat16 | any up to 128 | 16, 32 | all but alibi |" in text
+    assert "~~256~~" in text and "~~float32~~" in text and "~~alibi~~" in text
+    assert "- `max_head_size`: accumulators live in registers" in text
+    assert "| `ghost` | ? |" in text and "declaration not importable here: no module" in text
