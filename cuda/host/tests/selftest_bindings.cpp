@@ -1,0 +1,80 @@
+// selftest_bindings.cpp: the Python module `_pk_host_selftest` over the emulator's self-test
+// kernels and its 16-bit float conversions. Tensors arrive as raw addresses (data_ptr()).
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "pk_host_types.h"
+#include "selftest_kernels.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t address) { return reinterpret_cast<T*>(address); }
+
+void check(const char* err) {
+  if (err != nullptr) throw std::runtime_error(err);
+}
+
+// Element-wise conversions over n values, through the emulator's __half/__nv_bfloat16.
+void float_to_half(uintptr_t src, uintptr_t dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    ptr<uint16_t>(dst)[i] = __half_as_ushort(__float2half_rn(ptr<const float>(src)[i]));
+}
+void half_to_float(uintptr_t src, uintptr_t dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    ptr<float>(dst)[i] = __half2float(__ushort_as_half(ptr<const uint16_t>(src)[i]));
+}
+void float_to_bf16(uintptr_t src, uintptr_t dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    ptr<uint16_t>(dst)[i] = __bfloat16_as_ushort(__float2bfloat16_rn(ptr<const float>(src)[i]));
+}
+void bf16_to_float(uintptr_t src, uintptr_t dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    ptr<float>(dst)[i] = __bfloat162float(__ushort_as_bfloat16(ptr<const uint16_t>(src)[i]));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_pk_host_selftest, m) {
+  m.def("float_to_half", &float_to_half);
+  m.def("half_to_float", &half_to_float);
+  m.def("float_to_bf16", &float_to_bf16);
+  m.def("bf16_to_float", &bf16_to_float);
+  m.def("block_sum", [](uintptr_t x, uintptr_t out, int rows, int n, int threads) {
+    check(st_block_sum(ptr<const float>(x), ptr<float>(out), rows, n, threads));
+  });
+  m.def("neighbour", [](uintptr_t x, uintptr_t out, int blocks, int threads, bool barrier,
+                        bool dynamic) {
+    check(st_neighbour(ptr<const float>(x), ptr<float>(out), blocks, threads, barrier, dynamic));
+  });
+  m.def("read_unwritten", [](uintptr_t out, int n, long long smem_bytes, bool opt_in) {
+    check(st_read_unwritten(ptr<float>(out), n, smem_bytes, opt_in));
+  });
+  m.def("shuffles", [](uintptr_t in, uintptr_t out, uintptr_t out_d, uintptr_t out_i,
+                       int threads) {
+    check(st_shuffles(ptr<const float>(in), ptr<float>(out), ptr<double>(out_d), ptr<int>(out_i),
+                      threads));
+  });
+  m.def("warp_block_sum", [](uintptr_t x, uintptr_t out, int blocks, int threads) {
+    check(st_warp_block_sum(ptr<const float>(x), ptr<float>(out), blocks, threads));
+  });
+  m.def("mma", [](uintptr_t a, uintptr_t bt, uintptr_t c, uintptr_t d, int warps, bool bf16,
+                  bool in_place) {
+    check(st_mma(ptr<const uint16_t>(a), ptr<const uint16_t>(bt), ptr<const float>(c),
+                 ptr<float>(d), warps, bf16, in_place));
+  });
+  m.def("coords", [](uintptr_t out, int gx, int gy, int gz, int bx, int by, int bz) {
+    check(st_coords(ptr<int>(out), gx, gy, gz, bx, by, bz));
+  });
+  m.def("vector", [](uintptr_t x, uintptr_t out, int threads) {
+    check(st_vector(ptr<const void>(x), ptr<float>(out), threads));
+  });
+  m.def("faulty", [](const std::string& which, uintptr_t out, uintptr_t x) {
+    check(st_faulty(which.c_str(), ptr<float>(out), ptr<const float>(x)));
+  });
+}

@@ -1,0 +1,315 @@
+"""Builds host-execution modules: CUDA kernel sources compiled as host C++ over cuda/host/.
+
+`host_module()` builds (once per source hash) and imports `_pk_cuda_host`: every `cuda/csrc/*.cu`
+(CK's launchers and kernels) and `cuda/csrc/bindings.cpp`, compiled by g++ with
+`-x c++ -DPK_HOST_EMULATION` over the emulator headers in `cuda/host/`, plus the emulator's
+scheduler (`cuda/host/pk_host_runtime.cpp`). `build_module()` is the general form (the emulator's
+own tests build their kernels with it).
+
+The build goes to `$PAGED_KERNELS_CACHE/host/<name>-<hash>` (default cache `~/.cache/paged_kernels`),
+where the hash covers every source and header it can read, the flags, the compiler's version and
+the Python ABI; an unchanged hash reuses the built module. Objects are compiled with ninja when it
+is installed (else with parallel g++ calls). `extern __shared__` arrays have no definition in host
+C++; after compiling, the build finds the ones the objects reference (`nm`) and defines each as a
+thread-local buffer of the largest dynamic shared memory a block may have (see
+cuda/host/pk_host_sched.h), in a generated `pk_host_dynsmem.cpp`.
+
+Set `PK_HOST_INSTANTIATIONS` to pass `-DPK_HOST_INSTANTIATIONS=<value>` to the compiler (a
+reduced template set, when the launchers honour it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+from typing import Optional, Sequence
+
+CUDA_DIR = Path(__file__).resolve().parent.parent
+CSRC_DIR = CUDA_DIR / "csrc"
+HOST_DIR = CUDA_DIR / "host"
+RUNTIME_SOURCE = HOST_DIR / "pk_host_runtime.cpp"
+HOST_MODULE_NAME = "_pk_cuda_host"
+
+#: Bytes of each `extern __shared__` buffer: the largest dynamic shared memory of a block (sm_90).
+DYNAMIC_SMEM_BYTES = 227 * 1024
+
+CXX_FLAGS = (
+    "-std=c++17", "-O2", "-fPIC", "-pthread", "-fno-strict-aliasing", "-fvisibility=hidden",
+    "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function", "-Wno-unused-variable",
+    "-DPK_HOST_EMULATION",
+)
+
+_EXTERN_SHARED = re.compile(r"extern\s+__shared__\b[^;]*?\b(\w+)\s*\[\s*\]\s*;")
+_loaded: dict[str, ModuleType] = {}
+_announced = False
+
+
+class HostBuildError(RuntimeError):
+    """The host build could not run or failed; the message has the compiler's output."""
+
+
+def cache_root() -> Path:
+    """`$PAGED_KERNELS_CACHE/host`, default `~/.cache/paged_kernels/host`."""
+    base = os.environ.get("PAGED_KERNELS_CACHE") or os.path.join("~", ".cache", "paged_kernels")
+    return Path(base).expanduser() / "host"
+
+
+def compiler() -> str:
+    """The C++ compiler (`$CXX` or g++); raises HostBuildError when there is none."""
+    cxx = os.environ.get("CXX") or "g++"
+    path = shutil.which(cxx)
+    if path is None:
+        raise HostBuildError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX)")
+    return path
+
+
+def _pybind11_include() -> str:
+    try:
+        import pybind11
+    except ImportError as exc:
+        raise HostBuildError("pybind11 is not installed (pip install pybind11)") from exc
+    return pybind11.get_include()
+
+
+def _compiler_version(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.splitlines()[0] if out.stdout else cxx
+
+
+def _source_hash(files: Sequence[Path], flags: Sequence[str], cxx: str) -> str:
+    h = hashlib.sha256()
+    for path in sorted(set(files)):
+        h.update(str(path.name).encode())
+        h.update(path.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(_compiler_version(cxx).encode())
+    h.update((sysconfig.get_config_var("EXT_SUFFIX") or "").encode())
+    return h.hexdigest()[:16]
+
+
+def _headers_of(dirs: Sequence[Path]) -> list[Path]:
+    found: list[Path] = []
+    for d in dirs:
+        for pattern in ("*.h", "*.cuh", "*.hpp", "*.cu", "*.cpp"):
+            found.extend(p for p in d.glob(pattern) if p.is_file())
+    return found
+
+
+def _flags(include_dirs: Sequence[Path], defines: Sequence[str]) -> list[str]:
+    flags = list(CXX_FLAGS)
+    flags += [f"-D{d}" for d in defines]
+    inst = os.environ.get("PK_HOST_INSTANTIATIONS")
+    if inst:
+        flags.append(f"-DPK_HOST_INSTANTIATIONS={inst}")
+    flags += [f"-I{d}" for d in include_dirs]
+    flags += [f"-I{_pybind11_include()}", f"-I{sysconfig.get_paths()['include']}"]
+    return flags
+
+
+def _compile_cmd(cxx: str, flags: Sequence[str], src: Path, obj: Path) -> list[str]:
+    lang = ["-x", "c++"] if src.suffix == ".cu" else []
+    return [cxx, *flags, *lang, "-c", str(src), "-o", str(obj)]
+
+
+def _run(cmd: Sequence[str], what: str) -> None:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        raise HostBuildError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+
+
+def _object_name(src: Path) -> str:
+    return f"{src.parent.name}_{src.stem}.o"
+
+
+def _write_ninja(build_dir: Path, cxx: str, flags: Sequence[str], sources: Sequence[Path],
+                 output: Path) -> None:
+    def esc(s: str) -> str:
+        return s.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+    objs = [build_dir / _object_name(s) for s in sources]
+    dyn = build_dir / "pk_host_dynsmem.cpp"
+    lines = [
+        f"cxx = {esc(cxx)}",
+        "cflags = " + " ".join(esc(f) for f in flags),
+        "rule cxx",
+        "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out",
+        "  depfile = $out.d",
+        "  deps = gcc",
+        "rule cu",
+        "  command = $cxx -MMD -MF $out.d $cflags -x c++ -c $in -o $out",
+        "  depfile = $out.d",
+        "  deps = gcc",
+        "rule link",
+        "  command = $cxx -shared -pthread $in -o $out",
+    ]
+    for src, obj in zip(sources, objs):
+        rule = "cu" if src.suffix == ".cu" else "cxx"
+        lines.append(f"build {esc(str(obj))}: {rule} {esc(str(src))}")
+    lines.append(f"build {esc(str(build_dir / 'pk_host_dynsmem.o'))}: cxx {esc(str(dyn))}")
+    lines.append("build objects: phony " + " ".join(esc(str(o)) for o in objs))
+    all_objs = [*objs, build_dir / "pk_host_dynsmem.o"]
+    lines.append(f"build {esc(str(output))}: link " + " ".join(esc(str(o)) for o in all_objs))
+    lines.append(f"default {esc(str(output))}")
+    (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
+
+
+def _undefined_symbols(objs: Sequence[Path]) -> set[str]:
+    nm = shutil.which("nm")
+    if nm is None:
+        raise HostBuildError("nm (binutils) is needed to find extern __shared__ arrays")
+    proc = subprocess.run([nm, "-u", "-P", *map(str, objs)], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        raise HostBuildError(f"nm failed: {proc.stderr[-2000:]}")
+    symbols = set()
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and not parts[0].endswith(":"):
+            symbols.add(parts[0])
+    return symbols
+
+
+def _dynamic_smem_symbols(scan: Sequence[Path], objs: Sequence[Path]) -> list[str]:
+    """Mangled names of the `extern __shared__` arrays the objects reference."""
+    names = set()
+    for path in scan:
+        if path.suffix in (".cu", ".cuh", ".h", ".cpp", ".hpp"):
+            names.update(_EXTERN_SHARED.findall(path.read_text(errors="replace")))
+    if not names:
+        return []
+    undefined = _undefined_symbols(objs)
+    if "__tls_init" in undefined:
+        raise HostBuildError(
+            "an `extern __shared__` array has internal linkage (its kernel is inside an unnamed "
+            "namespace), so no other file can define it: the host build needs kernels with "
+            f"dynamic shared memory outside unnamed namespaces (arrays: {sorted(names)})")
+    wanted = []
+    for sym in sorted(undefined):
+        for name in names:
+            # A namespace-scope array is `name` (global) or `_ZN...<len>nameE` (in a namespace).
+            if sym == name or (sym.startswith("_ZN") and sym.endswith(f"{len(name)}{name}E")
+                               and not sym.startswith(("_ZTH", "_ZTW"))):
+                wanted.append(sym)
+    return wanted
+
+
+def _write_dynsmem(path: Path, symbols: Sequence[str]) -> None:
+    lines = [
+        "// Generated by cuda/paged_cuda/host_build.py: the buffers behind `extern __shared__`.",
+        "#include <cstddef>",
+    ]
+    for i, sym in enumerate(symbols):
+        lines.append(f"alignas(16) thread_local unsigned char pk_host_dyn_{i}"
+                     f"[{DYNAMIC_SMEM_BYTES}] __asm__(\"{sym}\");")
+    lines.append('extern "C" __attribute__((visibility("hidden"))) '
+                 "int pk_host_dynamic_smem_regions(void** out, int max) {")
+    lines.append("  int n = 0;")
+    for i in range(len(symbols)):
+        lines.append(f"  if (n < max) out[n++] = pk_host_dyn_{i};")
+    lines.append("  return n;")
+    lines.append("}")
+    text = "\n".join(lines) + "\n"
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def _build(build_dir: Path, cxx: str, flags: Sequence[str], sources: Sequence[Path],
+           scan: Sequence[Path], output: Path) -> None:
+    objs = [build_dir / _object_name(s) for s in sources]
+    ninja = shutil.which("ninja")
+    tmp_out = build_dir / ("tmp-" + output.name)
+    if ninja:
+        _write_ninja(build_dir, cxx, flags, sources, tmp_out)
+        _run([ninja, "-C", str(build_dir), "objects"], "compiling (ninja)")
+    else:
+        workers = max(1, min(len(sources), os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda so: _run(_compile_cmd(cxx, flags, *so), f"compiling {so[0]}"),
+                          zip(sources, objs)))
+    dyn = build_dir / "pk_host_dynsmem.cpp"
+    _write_dynsmem(dyn, _dynamic_smem_symbols(scan, objs))
+    if ninja:
+        _run([ninja, "-C", str(build_dir)], "linking (ninja)")
+    else:
+        dyn_obj = build_dir / "pk_host_dynsmem.o"
+        _run(_compile_cmd(cxx, flags, dyn, dyn_obj), "compiling pk_host_dynsmem.cpp")
+        _run([cxx, "-shared", "-pthread", *map(str, objs), str(dyn_obj), "-o", str(tmp_out)],
+             "linking")
+    os.replace(tmp_out, output)
+
+
+def _announce(name: str, build_dir: Path) -> None:
+    global _announced
+    if not _announced:
+        print(f"paged_kernels: compiling {name} (CUDA sources as host C++, first use; cached in "
+              f"{build_dir})", file=sys.stderr, flush=True)
+        _announced = True
+
+
+def build_module(name: str, sources: Sequence[Path], *, include_dirs: Sequence[Path] = (),
+                 defines: Sequence[str] = (), hash_dirs: Sequence[Path] = ()) -> Path:
+    """Builds (or finds in the cache) the extension module `name` from `sources` with the
+    emulator; returns the path of the shared object. `hash_dirs` are directories whose headers
+    and sources also decide the cache key (and are scanned for `extern __shared__`).
+
+    Raises HostBuildError when no compiler/pybind11 is available or the build fails.
+    """
+    cxx = compiler()
+    sources = [Path(s).resolve() for s in (*sources, RUNTIME_SOURCE)]
+    dirs = [HOST_DIR, *[Path(d).resolve() for d in (*include_dirs, *hash_dirs)]]
+    flags = _flags([HOST_DIR, *include_dirs], defines)
+    scan = sorted(set(_headers_of(dirs)) | set(sources))
+    key = _source_hash(scan, flags, cxx)
+    build_dir = cache_root() / f"{name}-{key}"
+    output = build_dir / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    if output.exists():
+        return output
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same module
+        if not output.exists():
+            _announce(name, build_dir)
+            _build(build_dir, cxx, flags, sources, scan, output)
+    return output
+
+
+def load_module(name: str, path: Path) -> ModuleType:
+    """Imports the extension module `name` from `path` (once per process)."""
+    if name in _loaded:
+        return _loaded[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise HostBuildError(f"cannot load {name} from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _loaded[name] = module
+    return module
+
+
+def host_sources() -> list[Path]:
+    """The sources of `_pk_cuda_host`: CK's launchers/kernels (`*.cu`) and `bindings.cpp`."""
+    cus = sorted(CSRC_DIR.glob("*.cu"))
+    bindings = CSRC_DIR / "bindings.cpp"
+    if not bindings.exists():
+        raise HostBuildError(f"{bindings} is missing")
+    return [*cus, bindings]
+
+
+def host_module(defines: Optional[Sequence[str]] = None) -> ModuleType:
+    """Builds if needed and imports `_pk_cuda_host` (CK's sources over the emulator)."""
+    extra = list(defines or ())
+    path = build_module(HOST_MODULE_NAME, host_sources(), include_dirs=[CSRC_DIR],
+                        defines=[f"PK_MODULE_NAME={HOST_MODULE_NAME}", *extra],
+                        hash_dirs=[CSRC_DIR])
+    return load_module(HOST_MODULE_NAME, path)

@@ -1,0 +1,298 @@
+"""The host-execution emulator (cuda/host/) on its own kernels (cuda/host/tests/).
+
+Each kernel's result is checked against an expectation computed here in Python/torch from the
+CUDA semantics (barriers, shuffles with width segments, votes, the mma.m16n8k16 fragment layout),
+plus the emulator's own diagnostics: deadlocks, partial masks, divergent collectives, launch
+limits, and shared memory read before it is written (dynamic shared memory is poisoned with NaN).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cuda.paged_cuda import host_build
+
+TESTS_DIR = Path(host_build.HOST_DIR) / "tests"
+SCHEDULES = ("forward", "reverse", "random")
+
+
+@pytest.fixture(scope="module")
+def st():
+    """The self-test module, built (or found in the cache) once."""
+    try:
+        path = host_build.build_module(
+            "_pk_host_selftest",
+            [TESTS_DIR / "selftest_kernels.cu", TESTS_DIR / "selftest_bindings.cpp"],
+            include_dirs=[TESTS_DIR], hash_dirs=[TESTS_DIR])
+    except host_build.HostBuildError as exc:
+        if "no C++ compiler" in str(exc) or "pybind11 is not installed" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    return host_build.load_module("_pk_host_selftest", path)
+
+
+@pytest.fixture(params=SCHEDULES)
+def schedule(request, monkeypatch):
+    monkeypatch.setenv("PK_HOST_SCHEDULE", request.param)
+    monkeypatch.setenv("PK_HOST_SEED", "1234")
+    return request.param
+
+
+# ---- 16-bit floats ----
+
+def _all_bit_patterns() -> torch.Tensor:
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+
+
+def _probe_floats(dtype: torch.dtype) -> torch.Tensor:
+    """Every value of `dtype`, the exact midpoints between neighbours (ties), one float32 ulp on
+    either side of them, random floats over a wide range, and the special values."""
+    vals = _all_bit_patterns().view(dtype).float()
+    vals = vals[torch.isfinite(vals)].unique()
+    mids = ((vals[1:].double() + vals[:-1].double()) / 2).float()
+    up = torch.nextafter(mids, torch.full_like(mids, float("inf")))
+    down = torch.nextafter(mids, torch.full_like(mids, float("-inf")))
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-40, 40, (20000,),
+                                                                      generator=g).float())
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 65504.0,
+                            65519.996, 65520.0, -65520.0, 1e-8, 2.0 ** -25, 2.0 ** -24,
+                            3.0 * 2.0 ** -26, 3.4e38, -3.4e38, 1.17e-38, 1e-45])
+    return torch.cat([vals, mids, up, down, rand, special])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16bit_to_float_matches_torch_for_every_bit_pattern(st, dtype):
+    bits = _all_bit_patterns()
+    out = torch.empty(bits.numel(), dtype=torch.float32)
+    convert = st.half_to_float if dtype == torch.float16 else st.bf16_to_float
+    convert(bits.data_ptr(), out.data_ptr(), bits.numel())
+    expected = bits.view(dtype).float()
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int32), expected[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float_to_16bit_rounds_to_nearest_even_like_torch(st, dtype):
+    x = _probe_floats(dtype)
+    out = torch.empty(x.numel(), dtype=torch.int16)
+    convert = st.float_to_half if dtype == torch.float16 else st.float_to_bf16
+    convert(x.data_ptr(), out.data_ptr(), x.numel())
+    expected = x.to(dtype)
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(out.view(dtype)), nan)
+    mismatch = (out != expected.view(torch.int16)) & ~nan
+    assert not mismatch.any(), f"first mismatches at {x[mismatch][:5].tolist()}"
+
+
+# ---- barriers and shared memory ----
+
+@pytest.mark.parametrize("threads", [64, 256])
+def test_tree_reduction_with_barriers(st, schedule, threads):
+    x = torch.randn(5, 300, dtype=torch.float32)
+    out = torch.full((5,), float("nan"))
+    st.block_sum(x.data_ptr(), out.data_ptr(), 5, 300, threads)
+    torch.testing.assert_close(out, x.double().sum(1).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_warp_shuffle_reduction_across_warps(st, schedule):
+    x = torch.randn(3, 256)
+    out = torch.full((3,), float("nan"))
+    st.warp_block_sum(x.data_ptr(), out.data_ptr(), 3, 256)
+    torch.testing.assert_close(out, x.double().sum(1).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_neighbour_read_is_exact_with_its_barrier(st, schedule, dynamic):
+    blocks, threads = 3, 96
+    x = torch.randn(blocks * threads)
+    out = torch.full_like(x, float("nan"))
+    st.neighbour(x.data_ptr(), out.data_ptr(), blocks, threads, True, dynamic)
+    expected = x.view(blocks, threads).roll(-1, dims=1).reshape(-1)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_missing_barrier_shows_in_every_schedule(st, schedule, dynamic):
+    """Without the barrier some thread reads its neighbour's slot before it is written."""
+    blocks, threads = 3, 96
+    x = torch.randn(blocks * threads)
+    out = torch.full_like(x, 7.0)
+    st.neighbour(x.data_ptr(), out.data_ptr(), blocks, threads, False, dynamic)
+    expected = x.view(blocks, threads).roll(-1, dims=1).reshape(-1)
+    assert not torch.equal(out, expected)
+    if dynamic and schedule == "forward":
+        # every thread but the last reads a slot nobody wrote yet: the NaN poison
+        assert torch.isnan(out.view(blocks, threads)[:, :-1]).all()
+
+
+def test_dynamic_shared_memory_starts_poisoned(st):
+    out = torch.zeros(64)
+    st.read_unwritten(out.data_ptr(), 64, 64 * 4, False)
+    assert (out.view(torch.int32) == -1).all()  # 0xFFFFFFFF: a NaN in every float type
+
+
+def test_dynamic_shared_memory_limits(st):
+    out = torch.zeros(64)
+    with pytest.raises(RuntimeError, match="PK_SET_MAX_DYNAMIC_SMEM"):
+        st.read_unwritten(out.data_ptr(), 64, 64 * 1024, False)
+    st.read_unwritten(out.data_ptr(), 64, 64 * 1024, True)
+    assert torch.isnan(out).all()
+    with pytest.raises(RuntimeError, match="227 KiB"):
+        st.read_unwritten(out.data_ptr(), 64, 300 * 1024, True)
+
+
+# ---- shuffles and votes ----
+
+def _expected_shuffles(v: torch.Tensor, exists: torch.Tensor) -> torch.Tensor:
+    """The 17 shuffle ops of shuffle_kernel, from the CUDA programming guide's definitions."""
+    n = v.numel()
+
+    def take(src_of) -> torch.Tensor:
+        out = v.clone()
+        for t in range(n):
+            lane, base = t % 32, t - t % 32
+            src = src_of(lane)
+            if src is not None and exists[base + src]:
+                out[t] = v[base + src]
+        return out
+
+    def xor(m, w=32):
+        return take(lambda l: None if (l ^ m) >= (l // w + 1) * w else l ^ m)
+
+    def idx(s, w=32):
+        return take(lambda l: (l // w) * w + s % w)
+
+    def down(d, w=32):
+        return take(lambda l: None if l % w + d >= w else l + d)
+
+    def up(d, w=32):
+        return take(lambda l: None if l % w < d else l - d)
+
+    ops = [xor(m) for m in (1, 2, 4, 8, 16)] + [xor(4, 8), xor(8, 8)]
+    ops += [take(lambda l: (l * 7 + 3) % 32), idx(5, 16), idx(37)]
+    ops += [down(1), down(3), down(16), down(2, 8), up(1), up(5), up(1, 4)]
+    return torch.stack(ops)
+
+
+@pytest.mark.parametrize("threads", [64, 48])
+def test_shuffles_and_votes_follow_cuda_semantics(st, schedule, threads):
+    """48 threads: the second warp has 16 lanes; reading a missing lane gives one's own value."""
+    g = torch.Generator().manual_seed(threads)
+    v = torch.randperm(threads, generator=g).float()
+    out = torch.full((17 * threads,), float("nan"))
+    out_d = torch.zeros(threads, dtype=torch.float64)
+    out_i = torch.zeros(4 * threads, dtype=torch.int32)
+    st.shuffles(v.data_ptr(), out.data_ptr(), out_d.data_ptr(), out_i.data_ptr(), threads)
+    exists = torch.ones(((threads + 31) // 32) * 32, dtype=torch.bool)
+    exists[threads:] = False
+    assert torch.equal(out.view(17, threads), _expected_shuffles(v, exists))
+
+    def xor3(t):
+        s = t ^ 3
+        return s if s < threads else t
+    assert torch.equal(out_d, torch.tensor([float(v[xor3(t)]) * 1e-300 for t in range(threads)],
+                                           dtype=torch.float64))
+    iv = v.int() * 3 + 1
+    down4 = [int(iv[t + 4]) if t % 32 + 4 < 32 and t + 4 < threads else int(iv[t])
+             for t in range(threads)]
+    assert out_i[:threads].tolist() == down4
+    for t in range(threads):
+        base = t - t % 32
+        lanes = range(base, min(base + 32, threads))
+        ballot = sum(1 << (l - base) for l in lanes if int(v[l]) % 3 == 0)
+        assert int(out_i[threads + t]) & 0xffffffff == ballot
+        assert int(out_i[2 * threads + t]) == int(any(int(v[l]) == 7 for l in lanes))
+        assert int(out_i[3 * threads + t]) == 1
+
+
+# ---- mma fragment layout ----
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_mma_m16n8k16_matches_a_plain_matmul(st, schedule, dtype, in_place):
+    warps = 2
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(warps, 16, 16, generator=g).to(dtype)
+    b = torch.randn(warps, 16, 8, generator=g).to(dtype)
+    c = torch.randn(warps, 16, 8, generator=g)
+    bt = b.transpose(1, 2).contiguous()  # [warps][n][k]: B's columns as rows ("col" operand)
+    d = torch.full((warps, 16, 8), float("nan"))
+    st.mma(a.view(torch.int16).data_ptr(), bt.view(torch.int16).data_ptr(), c.data_ptr(),
+           d.data_ptr(), warps, dtype == torch.bfloat16, in_place)
+    expected = a.double() @ b.double() + c.double()
+    torch.testing.assert_close(d.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_mma_distinguishes_every_position(st):
+    """One-hot operands: any swapped row, column or k index would move the 1 elsewhere."""
+    for r, k, n in [(0, 0, 0), (15, 15, 7), (9, 3, 5), (4, 12, 2), (8, 8, 1), (7, 9, 6)]:
+        a = torch.zeros(1, 16, 16, dtype=torch.float16)
+        b = torch.zeros(1, 16, 8, dtype=torch.float16)
+        a[0, r, k] = 1.0
+        b[0, k, n] = 2.0
+        bt = b.transpose(1, 2).contiguous()
+        c = torch.zeros(1, 16, 8)
+        d = torch.full((1, 16, 8), float("nan"))
+        st.mma(a.view(torch.int16).data_ptr(), bt.view(torch.int16).data_ptr(), c.data_ptr(),
+               d.data_ptr(), 1, False, False)
+        expected = torch.zeros(1, 16, 8)
+        expected[0, r, n] = 2.0
+        assert torch.equal(d, expected), (r, k, n)
+
+
+# ---- coordinates, vectors, stacks ----
+
+def test_3d_grid_and_block_coordinates(st, schedule):
+    grid, block = (3, 2, 2), (4, 3, 2)
+    total = 12 * 24
+    out = torch.full((total,), -1, dtype=torch.int32)
+    st.coords(out.data_ptr(), *grid, *block)
+    assert torch.equal(out, torch.arange(total, dtype=torch.int32))
+
+
+def test_uint4_loads_reinterpreted_as_half_pairs(st):
+    x = torch.randn(8 * 32).half()
+    out = torch.full((8 * 32,), float("nan"))
+    st.vector(x.data_ptr(), out.data_ptr(), 32)
+    assert torch.equal(out, x.float())
+
+
+def test_threads_that_returned_count_as_arrived(st, schedule):
+    x = torch.arange(64, dtype=torch.float32)
+    out = torch.zeros(64)
+    st.faulty("early_exit", out.data_ptr(), x.data_ptr())
+    assert float(out[0]) == float(x[:8].sum())
+
+
+def test_large_thread_stacks(st):
+    out = torch.zeros(64)
+    st.faulty("big_stack", out.data_ptr(), out.data_ptr())
+    expected = torch.zeros(64)
+    for i in range(0, 2048, 7):  # float32 sums in the kernel's order
+        expected += torch.arange(64, dtype=torch.float32) * i
+    assert torch.equal(out, expected)
+
+
+# ---- errors are reported, never hangs ----
+
+@pytest.mark.parametrize("which, message", [
+    ("lane_exit", r"deadlock.*3@returned"),
+    ("split_barrier", r"deadlock.*@__syncthreads.*@a warp collective"),
+    ("partial_mask", r"mask 0x0000ffff.*every existing lane"),
+    ("divergent_kinds", r"divergent warp collectives"),
+    ("too_many_threads", r"1 to 1024 threads"),
+])
+def test_faulty_kernels_are_reported(st, which, message):
+    out = torch.zeros(64)
+    with pytest.raises(RuntimeError, match=message):
+        st.faulty(which, out.data_ptr(), out.data_ptr())
+    # the next launch on the same host thread works
+    x = torch.randn(2, 100)
+    sums = torch.zeros(2)
+    st.block_sum(x.data_ptr(), sums.data_ptr(), 2, 100, 64)
+    torch.testing.assert_close(sums, x.sum(1), rtol=1e-5, atol=1e-5)
