@@ -1,0 +1,70 @@
+"""What the device can do at best, measured in the same run as the kernels, so that kernel numbers
+from different machines compare as fractions of these ceilings:
+
+- copy bandwidth: a large device-to-device copy, counted as bytes read + bytes written;
+- matmul rate: a large square matmul, 2 * n**3 flops.
+
+On a GPU the sizes are large enough to leave every cache behind (1 GiB copy, n = 8192 matmul); on
+the CPU they are small enough to finish in a second or two.
+
+    python -m bench.ceilings [--device cuda|cpu] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Optional
+
+import torch
+
+from bench.timing import median_seconds
+
+GPU_COPY_BYTES = 1 << 30
+CPU_COPY_BYTES = 64 << 20
+GPU_MATMUL_N = 8192
+CPU_MATMUL_N = 1024
+
+
+def copy_bandwidth(device: str, nbytes: Optional[int] = None, repeat: int = 10) -> dict:
+    """GB/s of `dst.copy_(src)` for `nbytes`-byte tensors on `device` (read + write counted)."""
+    if nbytes is None:
+        nbytes = GPU_COPY_BYTES if device == "cuda" else CPU_COPY_BYTES
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device, repeat=repeat)
+    moved = 2 * src.numel() * src.element_size()
+    return {"copy_bytes": moved, "copy_seconds": seconds, "copy_GBps": moved / seconds / 1e9}
+
+
+def matmul_rate(device: str, dtype: torch.dtype, n: Optional[int] = None,
+                repeat: int = 10) -> dict:
+    """TFLOP/s of an `n x n` by `n x n` matmul in `dtype` on `device`."""
+    if n is None:
+        n = GPU_MATMUL_N if device == "cuda" else CPU_MATMUL_N
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    seconds = median_seconds(lambda: torch.matmul(a, b, out=out), device, repeat=repeat)
+    return {"matmul_dtype": str(dtype).replace("torch.", ""), "matmul_n": n,
+            "matmul_seconds": seconds, "matmul_TFLOPs": 2 * n ** 3 / seconds / 1e12}
+
+
+def measure_ceilings(device: str, dtype: torch.dtype) -> dict:
+    """Copy bandwidth and the matmul rate in `dtype` (the kernels' dtype), one dict."""
+    return {**copy_bandwidth(device), **matmul_rate(device, dtype)}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description="Measure the copy bandwidth and matmul rate.")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None,
+                        help="matmul dtype (default: bfloat16 on cuda, float32 on cpu)")
+    args = parser.parse_args(argv)
+    dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    print(json.dumps(measure_ceilings(args.device, getattr(torch, dtype_name)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

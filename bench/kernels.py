@@ -1,0 +1,313 @@
+"""Kernel benchmarks from a plain command: decode, prefill, mixed batches and write_kv per backend,
+with bytes moved, GB/s, TFLOP/s and their fractions of the copy bandwidth and matmul rate measured
+in the same run (bench/ceilings.py). Prints a table; with `--out DIR` writes `kernels.json` and
+`gbps_vs_context.png` (GB/s of decode against context length, one line per backend).
+
+    python -m bench.kernels [--device cuda|cpu] [--backends triton,cuda] [--quick] [--out DIR]
+
+The functions are reusable (bench/gpu_check, bench/test_bench_kernels.py): `shapes()` lists the
+shapes, `prepare()` builds one backend's callable with its bytes and flops, `measure()` times it and
+returns one result dict, `run()` does a whole sweep.
+
+Default backends: on a GPU those that outrank the reference (priority > 0); on the CPU the
+reference only, since the other CPU backends are interpreters or emulations (Triton's interpreter,
+the CUDA host build) whose timings say nothing about the kernels; name them with `--backends`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from bench.ceilings import measure_ceilings
+from bench.shapes import BenchProblem, make_problem, sdpa_dense
+from bench.timing import median_seconds
+
+SDPA = "torch-sdpa"  # pseudo-backend: torch SDPA on the same K/V stored contiguously
+KINDS = ("decode", "prefill", "mixed", "write_kv")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark point. `q_len`: query tokens per sequence (1 for decode); for "mixed", the
+    chunk of the prefilling sequences (one in eight, at least one; the rest decode); for
+    "write_kv", tokens written per sequence."""
+
+    kind: str
+    batch: int
+    context: int
+    q_len: int = 1
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+
+    @property
+    def id(self) -> str:
+        return (f"{self.kind}-b{self.batch}-ctx{self.context}-q{self.q_len}-"
+                f"h{self.num_heads}kv{self.num_kv_heads}-d{self.head_size}")
+
+
+@dataclass
+class Prepared:
+    """A ready-to-time call of one backend on one shape, and what it must move and compute."""
+
+    run: Callable[[], object]
+    bytes_moved: int
+    flops: int
+
+
+def shapes(device: str, quick: bool = False) -> list[Shape]:
+    """The benchmark shapes: the headline GPU set (decode batch 1/32/128 x context 1k/4k/16k,
+    head size 128, 32 query heads over 8 KV heads; prefill, chunked prefill, a mixed batch,
+    write_kv); `quick` keeps a few of them; on the CPU, tiny shapes that finish in seconds."""
+    if device != "cuda":
+        small = dict(num_heads=8, num_kv_heads=2, head_size=64)
+        contexts = (128, 512) if quick else (128, 512, 2048)
+        return ([Shape("decode", b, c, **small) for b in (1, 8) for c in contexts]
+                + [Shape("prefill", 1, 256, 256, **small), Shape("prefill", 2, 512, 64, **small),
+                   Shape("mixed", 8, 512, 64, **small), Shape("write_kv", 8, 512, 1, **small),
+                   Shape("write_kv", 1, 512, 256, **small)])
+    batches, contexts = ((1, 32), (1024, 4096)) if quick else ((1, 32, 128), (1024, 4096, 16384))
+    out = [Shape("decode", b, c) for b in batches for c in contexts]
+    out += [Shape("prefill", 1, 4096, 4096), Shape("prefill", 8, 8192, 512),
+            Shape("mixed", 32, 4096, 1024)]
+    if not quick:
+        out += [Shape("prefill", 4, 16384, 2048)]
+    out += [Shape("write_kv", 128, 4096, 1), Shape("write_kv", 4, 4096, 2048)]
+    return out
+
+
+def _problem(shape: Shape, dtype: torch.dtype, device: str) -> BenchProblem:
+    q_len = 1 if shape.kind in ("decode", "write_kv") else shape.q_len
+    return make_problem(shape.batch, shape.context, q_len, num_heads=shape.num_heads,
+                        num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
+                        block_size=shape.block_size, dtype=dtype, device=device)
+
+
+def causal_flops(seq_lens: Sequence[int], q_lens: Sequence[int], num_heads: int,
+                 head_size: int) -> int:
+    """QK^T and PV multiply-adds (2 flops each) over causal positions, any q_len per sequence:
+    query i of a sequence of n tokens with q of them new sees n - q + i + 1 keys."""
+    keys = sum(q * (n - q) + q * (q + 1) // 2 for n, q in zip(seq_lens, q_lens))
+    return 4 * keys * num_heads * head_size
+
+
+def mixed_problem(shape: Shape, dtype: torch.dtype, device: str) -> tuple[BenchProblem, int]:
+    """A `make_problem` batch where one sequence in eight (at least one) prefills a chunk of
+    `q_len` tokens and the rest decode one; returns it with its causal flops."""
+    p = _problem(shape, dtype, device)
+    num_prefill = max(1, shape.batch // 8)
+    q_lens = [shape.q_len] * num_prefill + [1] * (shape.batch - num_prefill)
+    rows = []
+    for s, q in enumerate(q_lens):
+        end = (s + 1) * shape.q_len
+        rows.append(torch.arange(end - q, end, device=device))
+    p.query = p.query[torch.cat(rows)].contiguous()
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    p.cu_seqlens_q = cu.to(device)
+    flops = causal_flops([shape.context] * shape.batch, q_lens, shape.num_heads, shape.head_size)
+    return p, flops
+
+
+def _attention_call(p: BenchProblem, backend: str) -> Callable[[], object]:
+    from paged_kernels import paged_attention
+    out = torch.empty_like(p.query)
+    return lambda: paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables,
+                                   p.seq_lens, cu_seqlens_q=p.cu_seqlens_q, out=out,
+                                   backend=backend)
+
+
+def _write_kv_prepared(shape: Shape, dtype: torch.dtype, device: str, backend: str) -> Prepared:
+    """`batch * q_len` tokens written to distinct random slots of a cache of `batch * context`
+    slots; moves the rows read plus the rows written, and the slot ids."""
+    from paged_kernels import write_kv
+    tokens = shape.batch * shape.q_len
+    num_blocks = -(-shape.batch * shape.context // shape.block_size)
+    gen = torch.Generator().manual_seed(0)
+    cache_shape = (num_blocks, shape.num_kv_heads, shape.block_size, shape.head_size)
+    caches = [torch.zeros(cache_shape, dtype=dtype, device=device) for _ in range(2)]
+    rows = [torch.randn(tokens, shape.num_kv_heads, shape.head_size, generator=gen)
+            .to(dtype=dtype, device=device) for _ in range(2)]
+    slots = torch.randperm(num_blocks * shape.block_size, generator=gen)[:tokens].to(device)
+    row_bytes = shape.num_kv_heads * shape.head_size * rows[0].element_size()
+    moved = 2 * 2 * tokens * row_bytes + slots.numel() * slots.element_size()
+    return Prepared(lambda: write_kv(rows[0], rows[1], caches[0], caches[1], slots,
+                                     backend=backend), moved, 0)
+
+
+def prepare(backend: str, shape: Shape, dtype: torch.dtype, device: str) -> Prepared:
+    """Builds the inputs of `shape` on `device` and the call of `backend` on them (`SDPA` for
+    torch's scaled_dot_product_attention on contiguous K/V; decode and prefill only)."""
+    if shape.kind == "write_kv":
+        if backend == SDPA:
+            raise ValueError(f"backend: {SDPA} has no write_kv, got shape {shape.id}")
+        return _write_kv_prepared(shape, dtype, device, backend)
+    if shape.kind == "mixed":
+        if backend == SDPA:
+            raise ValueError(f"backend: {SDPA} takes one q_len per batch, got shape {shape.id}")
+        p, flops = mixed_problem(shape, dtype, device)
+    elif shape.kind in ("decode", "prefill"):
+        p = _problem(shape, dtype, device)
+        flops = p.flops()
+    else:
+        raise ValueError(f"shape.kind: expected one of {KINDS}, got {shape.kind!r}")
+    run = (lambda: sdpa_dense(p)) if backend == SDPA else _attention_call(p, backend)
+    return Prepared(run, p.bytes_moved(), flops)
+
+
+def metrics(prepared: Prepared, seconds: float, ceilings: Optional[dict] = None) -> dict:
+    """Bytes, GB/s, TFLOP/s for a run of `seconds`, and their fractions of `ceilings`."""
+    gbps = prepared.bytes_moved / seconds / 1e9
+    tflops = prepared.flops / seconds / 1e12
+    result = {"seconds": seconds, "bytes_moved": prepared.bytes_moved, "flops": prepared.flops,
+              "GB/s": gbps, "TFLOP/s": tflops}
+    if ceilings:
+        result["frac_copy_bw"] = gbps / ceilings["copy_GBps"]
+        result["frac_matmul"] = tflops / ceilings["matmul_TFLOPs"]
+    return result
+
+
+def measure(backend: str, shape: Shape, dtype: torch.dtype, device: str,
+            ceilings: Optional[dict] = None, repeat: int = 10) -> dict:
+    """Times `backend` on `shape` (median of `repeat` after warm-up) and returns one result:
+    the shape's fields, the backend, and `metrics()`."""
+    prepared = prepare(backend, shape, dtype, device)
+    seconds = median_seconds(prepared.run, device, repeat=repeat)
+    return {"backend": backend, **asdict(shape), "dtype": str(dtype).replace("torch.", ""),
+            **metrics(prepared, seconds, ceilings)}
+
+
+def default_backends(device: str) -> list[str]:
+    """Available backends that run on `device`: on a GPU those above the reference (priority
+    > 0); on the CPU those not below it (interpreters and emulations rank below)."""
+    from paged_kernels import available_backends, get_backend
+    floor = 1 if device == "cuda" else 0
+    return [n for n in available_backends()
+            if device in get_backend(n).support.device_types and get_backend(n).priority >= floor]
+
+
+def run(backends: Sequence[str], device: str, dtype: torch.dtype, quick: bool = False,
+        sdpa: bool = True, repeat: int = 10,
+        on_result: Optional[Callable[[dict], None]] = None) -> dict:
+    """Ceilings, then every shape for every backend (and torch SDPA on decode/prefill when
+    `sdpa`). A backend that rejects a shape (NotImplementedError) is recorded with `error`."""
+    ceilings = measure_ceilings(device, dtype)
+    results = []
+    for shape in shapes(device, quick):
+        names = list(backends)
+        if sdpa and shape.kind in ("decode", "prefill"):
+            names.append(SDPA)
+        for name in names:
+            try:
+                result = measure(name, shape, dtype, device, ceilings, repeat)
+            except NotImplementedError as exc:
+                result = {"backend": name, **asdict(shape), "error": str(exc)}
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return {"device": name, "torch": torch.__version__, "dtype": str(dtype), "ceilings": ceilings,
+            "results": results}
+
+
+# --- output -------------------------------------------------------------------------------------
+
+COLUMNS = ("backend", "kind", "batch", "context", "q_len", "us", "GB/s", "%copy", "TFLOP/s",
+           "%matmul")
+
+
+def format_row(r: dict) -> str:
+    """One table line for a result of `measure()` (or an error)."""
+    head = (f"{r['backend']:<11} {r['kind']:<8} {r['batch']:>5} {r['context']:>7} "
+            f"{r['q_len']:>5} ")
+    if "error" in r:
+        return head + f"  unsupported: {r['error']}"
+    pct = lambda key: f"{100 * r[key]:6.1f}" if key in r else "     -"  # noqa: E731
+    return head + (f"{r['seconds'] * 1e6:>10.1f} {r['GB/s']:>8.1f} {pct('frac_copy_bw')} "
+                   f"{r['TFLOP/s']:>8.2f} {pct('frac_matmul')}")
+
+
+def table_header() -> str:
+    return ("backend     kind     batch context q_len         us     GB/s  %copy  TFLOP/s "
+            "%matmul")
+
+
+def plot(report: dict, path: Path) -> None:
+    """GB/s of decode against context length: one line per backend, one panel per batch."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decode = [r for r in report["results"] if r["kind"] == "decode" and "error" not in r]
+    batches = sorted({r["batch"] for r in decode})
+    fig, axes = plt.subplots(1, max(1, len(batches)), figsize=(5 * max(1, len(batches)), 4),
+                             squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for backend in sorted({r["backend"] for r in decode}):
+            points = sorted((r["context"], r["GB/s"]) for r in decode
+                            if r["batch"] == batch and r["backend"] == backend)
+            ax.plot([c for c, _ in points], [g for _, g in points], marker="o", label=backend)
+        ax.axhline(report["ceilings"]["copy_GBps"], color="gray", linestyle="--",
+                   label="copy bandwidth")
+        contexts = sorted({r["context"] for r in decode if r["batch"] == batch})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.set(xlabel="context length", ylabel="GB/s", title=f"decode, batch {batch}")
+        ax.legend(fontsize="small")
+    fig.suptitle(f"{report['device']}, {report['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(report: dict, out_dir: Path) -> list[Path]:
+    """Writes kernels.json and gbps_vs_context.png into `out_dir`; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / "kernels.json", out_dir / "gbps_vs_context.png"
+    json_path.write_text(json.dumps(report, indent=2))
+    plot(report, png_path)
+    return [json_path, png_path]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="Paged-attention kernel benchmarks.")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        choices=("cuda", "cpu"))
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated backend names (default: see module docstring)")
+    parser.add_argument("--dtype", default=None,
+                        help="float32, float16 or bfloat16 (default: bfloat16 on cuda, "
+                             "float32 on cpu)")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--no-sdpa", action="store_true",
+                        help="skip torch SDPA on contiguous K/V")
+    parser.add_argument("--repeat", type=int, default=10, help="timed runs per point")
+    parser.add_argument("--out", type=Path, default=None, help="folder for JSON and the plot")
+    args = parser.parse_args(argv)
+    if args.device == "cpu" and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    names = args.backends.split(",") if args.backends else default_backends(args.device)
+    print(f"backends: {', '.join(names)}; device {args.device}; {dtype}", flush=True)
+    print(table_header(), flush=True)
+    report = run(names, args.device, dtype, quick=args.quick, sdpa=not args.no_sdpa,
+                 repeat=args.repeat, on_result=lambda r: print(format_row(r), flush=True))
+    c = report["ceilings"]
+    print(f"ceilings: copy {c['copy_GBps']:.1f} GB/s, {c['matmul_dtype']} matmul "
+          f"{c['matmul_TFLOPs']:.2f} TFLOP/s")
+    if args.out is not None:
+        for path in write_outputs(report, args.out):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
