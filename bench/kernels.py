@@ -27,11 +27,13 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from bench.ceilings import measure_ceilings
-from bench.shapes import BenchProblem, make_problem, sdpa_dense
+from bench.shapes import BenchProblem, make_mixed, make_problem, sdpa_dense
 from bench.timing import median_seconds
 
 SDPA = "torch-sdpa"  # pseudo-backend: torch SDPA on the same K/V stored contiguously
 KINDS = ("decode", "prefill", "mixed", "write_kv")
+ROTATE_BYTES = 256 << 20  # more than any GPU's last-level cache (H200: 50 MiB L2)
+MAX_COPIES = 16
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,9 @@ class Prepared:
     """A ready-to-time call of one backend on one shape, and what it must move and compute."""
 
     run: Callable[[], object]
-    bytes_moved: int
-    flops: int
+    bytes_moved: int  # per call
+    flops: int        # per call
+    copies: int = 1   # problem copies `run` rotates over
 
 
 def shapes(device: str, quick: bool = False) -> list[Shape]:
@@ -85,36 +88,40 @@ def shapes(device: str, quick: bool = False) -> list[Shape]:
     return out
 
 
-def _problem(shape: Shape, dtype: torch.dtype, device: str) -> BenchProblem:
-    q_len = 1 if shape.kind in ("decode", "write_kv") else shape.q_len
-    return make_problem(shape.batch, shape.context, q_len, num_heads=shape.num_heads,
-                        num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
-                        block_size=shape.block_size, dtype=dtype, device=device)
+def _q_lens(shape: Shape) -> list[int]:
+    if shape.kind == "decode":
+        return [1] * shape.batch
+    if shape.kind == "mixed":
+        num_prefill = max(1, shape.batch // 8)
+        return [shape.q_len] * num_prefill + [1] * (shape.batch - num_prefill)
+    return [shape.q_len] * shape.batch
 
 
-def causal_flops(seq_lens: Sequence[int], q_lens: Sequence[int], num_heads: int,
-                 head_size: int) -> int:
-    """QK^T and PV multiply-adds (2 flops each) over causal positions, any q_len per sequence:
-    query i of a sequence of n tokens with q of them new sees n - q + i + 1 keys."""
-    keys = sum(q * (n - q) + q * (q + 1) // 2 for n, q in zip(seq_lens, q_lens))
-    return 4 * keys * num_heads * head_size
+def _problem(shape: Shape, dtype: torch.dtype, device: str, seed: int) -> BenchProblem:
+    kwargs = dict(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                  head_size=shape.head_size, block_size=shape.block_size, dtype=dtype,
+                  device=device, seed=seed)
+    if shape.kind == "mixed":
+        return make_mixed([shape.context] * shape.batch, _q_lens(shape), **kwargs)
+    return make_problem(shape.batch, shape.context, _q_lens(shape)[0], **kwargs)
 
 
-def mixed_problem(shape: Shape, dtype: torch.dtype, device: str) -> tuple[BenchProblem, int]:
-    """A `make_problem` batch where one sequence in eight (at least one) prefills a chunk of
-    `q_len` tokens and the rest decode one; returns it with its causal flops."""
-    p = _problem(shape, dtype, device)
-    num_prefill = max(1, shape.batch // 8)
-    q_lens = [shape.q_len] * num_prefill + [1] * (shape.batch - num_prefill)
-    rows = []
-    for s, q in enumerate(q_lens):
-        end = (s + 1) * shape.q_len
-        rows.append(torch.arange(end - q, end, device=device))
-    p.query = p.query[torch.cat(rows)].contiguous()
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    p.cu_seqlens_q = cu.to(device)
-    flops = causal_flops([shape.context] * shape.batch, q_lens, shape.num_heads, shape.head_size)
-    return p, flops
+def _copies(one_copy_bytes: int, device: str) -> int:
+    """How many copies of a problem to rotate over so that repeated calls read device memory,
+    not a cache that still holds the previous call's data (none on the CPU)."""
+    if device != "cuda":
+        return 1
+    return max(1, min(MAX_COPIES, ROTATE_BYTES // max(1, one_copy_bytes)))
+
+
+def _rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    state = {"i": -1}
+
+    def call() -> object:
+        state["i"] = (state["i"] + 1) % len(fns)
+        return fns[state["i"]]()
+
+    return call
 
 
 def _attention_call(p: BenchProblem, backend: str) -> Callable[[], object]:
@@ -125,42 +132,50 @@ def _attention_call(p: BenchProblem, backend: str) -> Callable[[], object]:
                                    backend=backend)
 
 
+def _attention_prepared(shape: Shape, dtype: torch.dtype, device: str,
+                        backend: str) -> Prepared:
+    if backend == SDPA and shape.kind == "mixed":
+        raise ValueError(f"backend: {SDPA} takes one q_len per batch, got shape {shape.id}")
+    first = _problem(shape, dtype, device, seed=0)
+    problems = [first] + [_problem(shape, dtype, device, seed=i)
+                          for i in range(1, _copies(first.bytes_moved(), device))]
+    fns = [sdpa_dense(p) if backend == SDPA else _attention_call(p, backend) for p in problems]
+    return Prepared(_rotating(fns), first.bytes_moved(), first.flops(), len(fns))
+
+
 def _write_kv_prepared(shape: Shape, dtype: torch.dtype, device: str, backend: str) -> Prepared:
     """`batch * q_len` tokens written to distinct random slots of a cache of `batch * context`
     slots; moves the rows read plus the rows written, and the slot ids."""
+    if backend == SDPA:
+        raise ValueError(f"backend: {SDPA} has no write_kv, got shape {shape.id}")
     from paged_kernels import write_kv
     tokens = shape.batch * shape.q_len
     num_blocks = -(-shape.batch * shape.context // shape.block_size)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     cache_shape = (num_blocks, shape.num_kv_heads, shape.block_size, shape.head_size)
     caches = [torch.zeros(cache_shape, dtype=dtype, device=device) for _ in range(2)]
-    rows = [torch.randn(tokens, shape.num_kv_heads, shape.head_size, generator=gen)
-            .to(dtype=dtype, device=device) for _ in range(2)]
-    slots = torch.randperm(num_blocks * shape.block_size, generator=gen)[:tokens].to(device)
-    row_bytes = shape.num_kv_heads * shape.head_size * rows[0].element_size()
-    moved = 2 * 2 * tokens * row_bytes + slots.numel() * slots.element_size()
-    return Prepared(lambda: write_kv(rows[0], rows[1], caches[0], caches[1], slots,
-                                     backend=backend), moved, 0)
+    row_shape = (tokens, shape.num_kv_heads, shape.head_size)
+    row_bytes = shape.num_kv_heads * shape.head_size * caches[0].element_size()
+    moved = 2 * 2 * tokens * row_bytes + 8 * tokens
+    fns = []
+    for _ in range(_copies(moved, device)):
+        k, v = (torch.randn(row_shape, generator=gen, device=device).to(dtype) for _ in range(2))
+        slots = torch.randperm(num_blocks * shape.block_size, generator=gen,
+                               device=device)[:tokens]
+        fns.append(lambda k=k, v=v, slots=slots: write_kv(k, v, caches[0], caches[1], slots,
+                                                          backend=backend))
+    return Prepared(_rotating(fns), moved, 0, len(fns))
 
 
 def prepare(backend: str, shape: Shape, dtype: torch.dtype, device: str) -> Prepared:
     """Builds the inputs of `shape` on `device` and the call of `backend` on them (`SDPA` for
-    torch's scaled_dot_product_attention on contiguous K/V; decode and prefill only)."""
+    torch's scaled_dot_product_attention on contiguous K/V; decode and prefill only). On a GPU,
+    small problems are built several times and the call rotates over the copies."""
     if shape.kind == "write_kv":
-        if backend == SDPA:
-            raise ValueError(f"backend: {SDPA} has no write_kv, got shape {shape.id}")
         return _write_kv_prepared(shape, dtype, device, backend)
-    if shape.kind == "mixed":
-        if backend == SDPA:
-            raise ValueError(f"backend: {SDPA} takes one q_len per batch, got shape {shape.id}")
-        p, flops = mixed_problem(shape, dtype, device)
-    elif shape.kind in ("decode", "prefill"):
-        p = _problem(shape, dtype, device)
-        flops = p.flops()
-    else:
+    if shape.kind not in KINDS:
         raise ValueError(f"shape.kind: expected one of {KINDS}, got {shape.kind!r}")
-    run = (lambda: sdpa_dense(p)) if backend == SDPA else _attention_call(p, backend)
-    return Prepared(run, p.bytes_moved(), flops)
+    return _attention_prepared(shape, dtype, device, backend)
 
 
 def metrics(prepared: Prepared, seconds: float, ceilings: Optional[dict] = None) -> dict:
@@ -168,7 +183,7 @@ def metrics(prepared: Prepared, seconds: float, ceilings: Optional[dict] = None)
     gbps = prepared.bytes_moved / seconds / 1e9
     tflops = prepared.flops / seconds / 1e12
     result = {"seconds": seconds, "bytes_moved": prepared.bytes_moved, "flops": prepared.flops,
-              "GB/s": gbps, "TFLOP/s": tflops}
+              "GB/s": gbps, "TFLOP/s": tflops, "copies": prepared.copies}
     if ceilings:
         result["frac_copy_bw"] = gbps / ceilings["copy_GBps"]
         result["frac_matmul"] = tflops / ceilings["matmul_TFLOPs"]
