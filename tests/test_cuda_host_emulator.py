@@ -4,10 +4,18 @@ Each kernel's result is checked against an expectation computed here in Python/t
 CUDA semantics (barriers, shuffles with width segments, votes, the mma.m16n8k16 fragment layout),
 plus the emulator's own diagnostics: deadlocks, partial masks, divergent collectives, launch
 limits, and shared memory read before it is written (dynamic shared memory is poisoned with NaN).
+
+On a GPU machine, `PK_SELFTEST_DEVICE=cuda` builds the same kernels with nvcc and runs the
+semantic tests on the device, which checks the expectations (and so the emulator) against the
+hardware; the emulator-only tests (diagnostics, poisoning, schedules) are skipped there.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -16,17 +24,47 @@ import torch
 from cuda.paged_cuda import host_build
 
 TESTS_DIR = Path(host_build.HOST_DIR) / "tests"
-SCHEDULES = ("forward", "reverse", "random")
+SOURCES = [TESTS_DIR / "selftest_kernels.cu", TESTS_DIR / "selftest_bindings.cpp"]
+DEVICE = os.environ.get("PK_SELFTEST_DEVICE", "cpu")
+SCHEDULES = ("forward", "reverse", "random") if DEVICE == "cpu" else ("hardware",)
+
+host_only = pytest.mark.skipif(DEVICE != "cpu", reason="emulator behaviour (undefined on a GPU)")
+
+
+def _build_for_device() -> Path:
+    """nvcc build of the self-test kernels (GPU machines only)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None or not torch.cuda.is_available():
+        pytest.skip("PK_SELFTEST_DEVICE=cuda needs nvcc and a CUDA device")
+    import pybind11
+    out = host_build.cache_root() / "selftest-device"
+    out.mkdir(parents=True, exist_ok=True)
+    name = "_pk_device_selftest"
+    so = out / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    arch = os.environ.get("PK_SELFTEST_ARCH", "native")
+    inc = [f"-I{TESTS_DIR}", f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
+    cmds = [
+        [nvcc, "-O2", "-std=c++17", f"-arch={arch}", "-Xcompiler", "-fPIC", *inc, "-c",
+         str(SOURCES[0]), "-o", str(out / "k.o")],
+        ["g++", "-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-DPK_SELFTEST_DEVICE",
+         f"-DPK_SELFTEST_MODULE={name}", *inc, "-c", str(SOURCES[1]), "-o", str(out / "b.o")],
+        [nvcc, "-shared", f"-arch={arch}", str(out / "k.o"), str(out / "b.o"), "-o", str(so)],
+    ]
+    for cmd in cmds:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return so
 
 
 @pytest.fixture(scope="module")
 def st():
     """The self-test module, built (or found in the cache) once."""
+    if DEVICE != "cpu":
+        return host_build.load_module("_pk_device_selftest", _build_for_device())
     try:
         path = host_build.build_module(
-            "_pk_host_selftest",
-            [TESTS_DIR / "selftest_kernels.cu", TESTS_DIR / "selftest_bindings.cpp"],
-            include_dirs=[TESTS_DIR], hash_dirs=[TESTS_DIR])
+            "_pk_host_selftest", SOURCES, include_dirs=[TESTS_DIR], hash_dirs=[TESTS_DIR],
+            defines=["PK_SELFTEST_MODULE=_pk_host_selftest"])
     except host_build.HostBuildError as exc:
         if "no C++ compiler" in str(exc) or "pybind11 is not installed" in str(exc):
             pytest.skip(str(exc))
@@ -39,6 +77,11 @@ def schedule(request, monkeypatch):
     monkeypatch.setenv("PK_HOST_SCHEDULE", request.param)
     monkeypatch.setenv("PK_HOST_SEED", "1234")
     return request.param
+
+
+def dev(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the device the kernels run on."""
+    return t.to(DEVICE)
 
 
 # ---- 16-bit floats ----
@@ -64,6 +107,7 @@ def _probe_floats(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([vals, mids, up, down, rand, special])
 
 
+@host_only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_16bit_to_float_matches_torch_for_every_bit_pattern(st, dtype):
     bits = _all_bit_patterns()
@@ -76,6 +120,7 @@ def test_16bit_to_float_matches_torch_for_every_bit_pattern(st, dtype):
     assert torch.equal(out[~nan].view(torch.int32), expected[~nan].view(torch.int32))
 
 
+@host_only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_float_to_16bit_rounds_to_nearest_even_like_torch(st, dtype):
     x = _probe_floats(dtype)
@@ -94,28 +139,29 @@ def test_float_to_16bit_rounds_to_nearest_even_like_torch(st, dtype):
 @pytest.mark.parametrize("threads", [64, 256])
 def test_tree_reduction_with_barriers(st, schedule, threads):
     x = torch.randn(5, 300, dtype=torch.float32)
-    out = torch.full((5,), float("nan"))
-    st.block_sum(x.data_ptr(), out.data_ptr(), 5, 300, threads)
-    torch.testing.assert_close(out, x.double().sum(1).float(), rtol=1e-5, atol=1e-5)
+    out = dev(torch.full((5,), float("nan")))
+    st.block_sum(dev(x).data_ptr(), out.data_ptr(), 5, 300, threads)
+    torch.testing.assert_close(out.cpu(), x.double().sum(1).float(), rtol=1e-5, atol=1e-5)
 
 
 def test_warp_shuffle_reduction_across_warps(st, schedule):
     x = torch.randn(3, 256)
-    out = torch.full((3,), float("nan"))
-    st.warp_block_sum(x.data_ptr(), out.data_ptr(), 3, 256)
-    torch.testing.assert_close(out, x.double().sum(1).float(), rtol=1e-5, atol=1e-5)
+    out = dev(torch.full((3,), float("nan")))
+    st.warp_block_sum(dev(x).data_ptr(), out.data_ptr(), 3, 256)
+    torch.testing.assert_close(out.cpu(), x.double().sum(1).float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_neighbour_read_is_exact_with_its_barrier(st, schedule, dynamic):
     blocks, threads = 3, 96
     x = torch.randn(blocks * threads)
-    out = torch.full_like(x, float("nan"))
-    st.neighbour(x.data_ptr(), out.data_ptr(), blocks, threads, True, dynamic)
+    out = dev(torch.full_like(x, float("nan")))
+    st.neighbour(dev(x).data_ptr(), out.data_ptr(), blocks, threads, True, dynamic)
     expected = x.view(blocks, threads).roll(-1, dims=1).reshape(-1)
-    assert torch.equal(out, expected)
+    assert torch.equal(out.cpu(), expected)
 
 
+@host_only
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_missing_barrier_shows_in_every_schedule(st, schedule, dynamic):
     """Without the barrier some thread reads its neighbour's slot before it is written."""
@@ -130,12 +176,14 @@ def test_missing_barrier_shows_in_every_schedule(st, schedule, dynamic):
         assert torch.isnan(out.view(blocks, threads)[:, :-1]).all()
 
 
+@host_only
 def test_dynamic_shared_memory_starts_poisoned(st):
     out = torch.zeros(64)
     st.read_unwritten(out.data_ptr(), 64, 64 * 4, False)
     assert (out.view(torch.int32) == -1).all()  # 0xFFFFFFFF: a NaN in every float type
 
 
+@host_only
 def test_dynamic_shared_memory_limits(st):
     out = torch.zeros(64)
     with pytest.raises(RuntimeError, match="PK_SET_MAX_DYNAMIC_SMEM"):
@@ -179,15 +227,16 @@ def _expected_shuffles(v: torch.Tensor, exists: torch.Tensor) -> torch.Tensor:
     return torch.stack(ops)
 
 
-@pytest.mark.parametrize("threads", [64, 48])
+@pytest.mark.parametrize("threads", [64, pytest.param(48, marks=host_only)])
 def test_shuffles_and_votes_follow_cuda_semantics(st, schedule, threads):
     """48 threads: the second warp has 16 lanes; reading a missing lane gives one's own value."""
     g = torch.Generator().manual_seed(threads)
     v = torch.randperm(threads, generator=g).float()
-    out = torch.full((17 * threads,), float("nan"))
-    out_d = torch.zeros(threads, dtype=torch.float64)
-    out_i = torch.zeros(4 * threads, dtype=torch.int32)
-    st.shuffles(v.data_ptr(), out.data_ptr(), out_d.data_ptr(), out_i.data_ptr(), threads)
+    out = dev(torch.full((17 * threads,), float("nan")))
+    out_d = dev(torch.zeros(threads, dtype=torch.float64))
+    out_i = dev(torch.zeros(4 * threads, dtype=torch.int32))
+    st.shuffles(dev(v).data_ptr(), out.data_ptr(), out_d.data_ptr(), out_i.data_ptr(), threads)
+    out, out_d, out_i = out.cpu(), out_d.cpu(), out_i.cpu()
     exists = torch.ones(((threads + 31) // 32) * 32, dtype=torch.bool)
     exists[threads:] = False
     assert torch.equal(out.view(17, threads), _expected_shuffles(v, exists))
@@ -212,6 +261,15 @@ def test_shuffles_and_votes_follow_cuda_semantics(st, schedule, threads):
 
 # ---- mma fragment layout ----
 
+def _run_mma(st, a, b, c, in_place):
+    bt = b.transpose(1, 2).contiguous()  # [warps][n][k]: B's columns as rows ("col" operand)
+    d = dev(torch.full(c.shape, float("nan")))
+    a_d, bt_d, c_d = dev(a), dev(bt), dev(c)
+    st.mma(a_d.view(torch.int16).data_ptr(), bt_d.view(torch.int16).data_ptr(), c_d.data_ptr(),
+           d.data_ptr(), a.shape[0], a.dtype == torch.bfloat16, in_place)
+    return d.cpu()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_mma_m16n8k16_matches_a_plain_matmul(st, schedule, dtype, in_place):
@@ -220,12 +278,9 @@ def test_mma_m16n8k16_matches_a_plain_matmul(st, schedule, dtype, in_place):
     a = torch.randn(warps, 16, 16, generator=g).to(dtype)
     b = torch.randn(warps, 16, 8, generator=g).to(dtype)
     c = torch.randn(warps, 16, 8, generator=g)
-    bt = b.transpose(1, 2).contiguous()  # [warps][n][k]: B's columns as rows ("col" operand)
-    d = torch.full((warps, 16, 8), float("nan"))
-    st.mma(a.view(torch.int16).data_ptr(), bt.view(torch.int16).data_ptr(), c.data_ptr(),
-           d.data_ptr(), warps, dtype == torch.bfloat16, in_place)
+    d = _run_mma(st, a, b, c, in_place)
     expected = a.double() @ b.double() + c.double()
-    torch.testing.assert_close(d.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(d.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_mma_distinguishes_every_position(st):
@@ -235,11 +290,7 @@ def test_mma_distinguishes_every_position(st):
         b = torch.zeros(1, 16, 8, dtype=torch.float16)
         a[0, r, k] = 1.0
         b[0, k, n] = 2.0
-        bt = b.transpose(1, 2).contiguous()
-        c = torch.zeros(1, 16, 8)
-        d = torch.full((1, 16, 8), float("nan"))
-        st.mma(a.view(torch.int16).data_ptr(), bt.view(torch.int16).data_ptr(), c.data_ptr(),
-               d.data_ptr(), 1, False, False)
+        d = _run_mma(st, a, b, torch.zeros(1, 16, 8), False)
         expected = torch.zeros(1, 16, 8)
         expected[0, r, n] = 2.0
         assert torch.equal(d, expected), (r, k, n)
@@ -250,18 +301,19 @@ def test_mma_distinguishes_every_position(st):
 def test_3d_grid_and_block_coordinates(st, schedule):
     grid, block = (3, 2, 2), (4, 3, 2)
     total = 12 * 24
-    out = torch.full((total,), -1, dtype=torch.int32)
+    out = dev(torch.full((total,), -1, dtype=torch.int32))
     st.coords(out.data_ptr(), *grid, *block)
-    assert torch.equal(out, torch.arange(total, dtype=torch.int32))
+    assert torch.equal(out.cpu(), torch.arange(total, dtype=torch.int32))
 
 
 def test_uint4_loads_reinterpreted_as_half_pairs(st):
     x = torch.randn(8 * 32).half()
-    out = torch.full((8 * 32,), float("nan"))
-    st.vector(x.data_ptr(), out.data_ptr(), 32)
-    assert torch.equal(out, x.float())
+    out = dev(torch.full((8 * 32,), float("nan")))
+    st.vector(dev(x).data_ptr(), out.data_ptr(), 32)
+    assert torch.equal(out.cpu(), x.float())
 
 
+@host_only
 def test_threads_that_returned_count_as_arrived(st, schedule):
     x = torch.arange(64, dtype=torch.float32)
     out = torch.zeros(64)
@@ -270,16 +322,17 @@ def test_threads_that_returned_count_as_arrived(st, schedule):
 
 
 def test_large_thread_stacks(st):
-    out = torch.zeros(64)
+    out = dev(torch.zeros(64))
     st.faulty("big_stack", out.data_ptr(), out.data_ptr())
     expected = torch.zeros(64)
     for i in range(0, 2048, 7):  # float32 sums in the kernel's order
         expected += torch.arange(64, dtype=torch.float32) * i
-    assert torch.equal(out, expected)
+    assert torch.equal(out.cpu(), expected)
 
 
 # ---- errors are reported, never hangs ----
 
+@host_only
 @pytest.mark.parametrize("which, message", [
     ("lane_exit", r"deadlock.*3@returned"),
     ("split_barrier", r"deadlock.*@__syncthreads.*@a warp collective"),

@@ -1,13 +1,17 @@
-// selftest_bindings.cpp: the Python module `_pk_host_selftest` over the emulator's self-test
-// kernels and its 16-bit float conversions. Tensors arrive as raw addresses (data_ptr()).
+// selftest_bindings.cpp: the Python module PK_SELFTEST_MODULE over the emulator's self-test
+// kernels and (host build only) its 16-bit float conversions. Tensors arrive as raw addresses
+// (data_ptr()). With PK_SELFTEST_DEVICE (the nvcc build) the conversions are left out: this file
+// must not define the emulator's __half next to CUDA's in the same module.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
-#include "pk_host_types.h"
 #include "selftest_kernels.h"
+#ifndef PK_SELFTEST_DEVICE
+#include "pk_host_types.h"
+#endif
 
 namespace py = pybind11;
 
@@ -20,6 +24,7 @@ void check(const char* err) {
   if (err != nullptr) throw std::runtime_error(err);
 }
 
+#ifndef PK_SELFTEST_DEVICE
 // Element-wise conversions over n values, through the emulator's __half/__nv_bfloat16.
 void float_to_half(uintptr_t src, uintptr_t dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
@@ -38,13 +43,17 @@ void bf16_to_float(uintptr_t src, uintptr_t dst, int64_t n) {
     ptr<float>(dst)[i] = __bfloat162float(__ushort_as_bfloat16(ptr<const uint16_t>(src)[i]));
 }
 
+#endif
+
 }  // namespace
 
-PYBIND11_MODULE(_pk_host_selftest, m) {
+PYBIND11_MODULE(PK_SELFTEST_MODULE, m) {
+#ifndef PK_SELFTEST_DEVICE
   m.def("float_to_half", &float_to_half);
   m.def("half_to_float", &half_to_float);
   m.def("float_to_bf16", &float_to_bf16);
   m.def("bf16_to_float", &bf16_to_float);
+#endif
   m.def("block_sum", [](uintptr_t x, uintptr_t out, int rows, int n, int threads) {
     check(st_block_sum(ptr<const float>(x), ptr<float>(out), rows, n, threads));
   });

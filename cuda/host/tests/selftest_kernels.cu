@@ -1,8 +1,11 @@
 // selftest_kernels.cu: small kernels that exercise the emulator on its own (barriers, static and
 // dynamic shared memory, shuffles, votes, mma fragments, launch errors, deadlock detection).
-// Compiled by tests/test_cuda_host_emulator.py through host_build.build_module; launchers return
-// nullptr or the launch error, like CK's launchers.
-#include "pk_host_emul.h"
+// Compiled by tests/test_cuda_host_emulator.py: with g++ over the emulator (host_build), and, on a
+// GPU machine, with nvcc (PK_SELFTEST_DEVICE=cuda), so the same expectations are checked against
+// the hardware. It goes through the kernels' own platform layer (pk_platform.cuh, pk_mma.cuh).
+// Launchers return nullptr or the launch error, like CK's launchers.
+#include "../../csrc/pk_platform.cuh"
+#include "../../csrc/pk_mma.cuh"
 
 #include <cstdint>
 #include <string>
