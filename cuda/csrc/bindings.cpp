@@ -5,6 +5,7 @@
 // pk_ops.h (ops.py packs them); `fields(name)` returns the field names and kinds of a struct so
 // the Python side can check its packing against this build.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstring>
 #include <stdexcept>

@@ -5,9 +5,9 @@
 // pk_write_kv_kernel<U>
 //   Grid: (num_tokens); `threads` threads. One block owns one token: its num_kv_heads key rows
 //   and value rows go to slot slot_mapping[token] (block = slot / block_size, offset = slot %
-//   block_size); a negative slot skips the token. Moves 2 * num_kv_heads * row_bytes in and out.
-//   Invariant: slots are distinct among the non-negative ones and < num_blocks * block_size (the
-//   Python side checks the bound); offsets are int64.
+//   block_size); a negative slot (padding) or one >= num_slots skips the token. Moves
+//   2 * num_kv_heads * row_bytes in and out.
+//   Invariant: slots are distinct among the non-negative ones; offsets are int64.
 //
 // pk_copy_blocks_kernel<U>
 //   Grid: (num_pairs, num_caches); `threads` threads. One block owns one (src, dst) pair of one
@@ -21,7 +21,7 @@ template <typename U>
 __global__ void __launch_bounds__(128) pk_write_kv_kernel(const PkWriteKvParams p) {
   const int64_t tok = blockIdx.x;
   const int64_t slot = __ldg(static_cast<const int64_t*>(p.slot_mapping) + tok);
-  if (slot < 0) return;
+  if (slot < 0 || slot >= p.num_slots) return;  // padding, or out of range (ABI: skipped)
   const int64_t blk = slot / p.block_size, off = slot % p.block_size;
   const int units = static_cast<int>(p.row_bytes / static_cast<int64_t>(sizeof(U)));
   const int total = static_cast<int>(p.num_kv_heads) * units;

@@ -5,16 +5,18 @@
 // compiled template instantiations and launch. Each dtype's attention kernels are instantiated in
 // their own translation unit (pk_attention_<dtype>.cu) so nvcc compiles them in parallel.
 //
-// PK_HEAD_SIZES(X) lists the compiled head sizes; a build may define it to a subset (the compile
-// check's fast mode, the host build's test set), and a launch for another size then returns an
-// error naming it.
+// PK_HEAD_SIZES(X) lists the compiled head sizes. Defining PK_REDUCED_HEAD_SIZES (the compile
+// check's fast mode) or PK_HOST_INSTANTIATIONS (the host build's reduced set) compiles only 64 and
+// 128; a launch for another size then returns an error saying so.
 #pragma once
 #include "pk_platform.cuh"
 #include "pk_ops.h"
 #include "pk_decode.cuh"
 #include "pk_varlen.cuh"
 
-#ifndef PK_HEAD_SIZES
+#if defined(PK_REDUCED_HEAD_SIZES) || defined(PK_HOST_INSTANTIATIONS)
+#define PK_HEAD_SIZES(X) X(64) X(128)
+#else
 #define PK_HEAD_SIZES(X) X(64) X(80) X(96) X(112) X(128) X(192) X(256)
 #endif
 

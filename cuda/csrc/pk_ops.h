@@ -34,12 +34,13 @@
 
 // One row = `row_bytes` contiguous bytes (a head's `head_size` elements); strides in BYTES; rows
 // are copied in units of `unit_bytes` (16, 8, 4 or 2: the alignment of every address involved).
+// Tokens whose slot is negative or >= num_slots are skipped.
 #define PK_WRITE_KV_FIELDS(P, I, F)                                                        \
   P(key) P(value) P(k_cache) P(v_cache) P(slot_mapping)                                   \
   I(key_stride_token) I(key_stride_head) I(value_stride_token) I(value_stride_head)       \
   I(k_stride_block) I(k_stride_head) I(k_stride_slot)                                     \
   I(v_stride_block) I(v_stride_head) I(v_stride_slot)                                     \
-  I(num_tokens) I(num_kv_heads) I(block_size) I(row_bytes) I(unit_bytes)                  \
+  I(num_tokens) I(num_kv_heads) I(block_size) I(num_slots) I(row_bytes) I(unit_bytes)     \
   I(grid_x) I(grid_y) I(threads)
 
 // Copies block `mapping[i][0]` of cache `src_caches[c]` to block `mapping[i][1]` of

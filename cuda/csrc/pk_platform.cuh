@@ -26,6 +26,15 @@
 //      per kernel, 16-byte aligned); its size is the launch's smem_bytes.
 //  R5. Kernels take one parameter struct by value (`const PkAttnParams p`), nothing else.
 //  R6. `__launch_bounds__(N)` and `__launch_bounds__(N, M)` are used on kernels.
+//  R7. BLOCKING, seen here: `extern __shared__ float4 pk_smem4[];` is declared inside function
+//      templates in several translation units; g++ then calls the weak TLS init function
+//      `_ZTH8pk_smem4` unconditionally (a call to address 0, SIGSEGV in pk_decode_kernel). Compiling
+//      with `-fno-extern-tls-init` fixes it (checked: decode and varlen then match the reference).
+//  R8. `fmaf` (float fused multiply-add) is used; `__ldg` is called on `const uint4*`,
+//      `const int32_t*`, `const int64_t*` and `const float*`.
+//  R9. `pk_mma_m16n8k16_*(d, a, b, c)` is called with `d` and `c` the same array (accumulate in
+//      place), as the PTX instruction allows.
+//  R10. `uint2`, `uint16_t` and `uint32_t` are used as copy units (pk_cache.cuh).
 // ================================================================================================
 #pragma once
 

@@ -1,0 +1,378 @@
+"""The one Python adapter between the ABI and the CUDA launchers (pk_ops.h), and the one planner.
+
+Both backends ("cuda" on the GPU, "cuda-host" on the CPU through the emulator) and the run-time
+NVRTC path call these functions with an extension-like object `ext` that has
+`paged_attention(params: bytes, stream: int)`, `write_kv(...)` and `copy_blocks(...)` (the
+pybind11 module `_pk_cuda` / `_pk_cuda_host`, or `jit.JitModule`).
+
+Planning (FlashInfer-style plan, then run): `plan_attention` decides everything about a launch
+(kernel, template arguments, grid, threads, dynamic shared memory, split-K partitions and the
+workspace) from host-side shapes only, never from tensor contents, so it needs no device
+synchronisation and is CUDA-graph safe. The plan travels inside the params struct; the C++
+launchers and `jit.JitModule` only dispatch on it.
+
+The params structs are packed from the X-macro field lists of `cuda/csrc/pk_ops.h`, read from
+that header at import, so the C++ and Python layouts come from one definition (`check_layout`
+compares them with a built module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+
+from paged_kernels.abi import FEATURES, AttentionProblem, Support
+
+CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+
+#: Head sizes the kernels are compiled for (PK_HEAD_SIZES in pk_launch.cuh).
+HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
+#: The reduced set of builds with PK_REDUCED_HEAD_SIZES / PK_HOST_INSTANTIATIONS.
+REDUCED_HEAD_SIZES = (64, 128)
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+#: C++ spelling of each dtype (template arguments of the JIT path).
+CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+
+KERNEL_DECODE, KERNEL_VARLEN_MMA, KERNEL_VARLEN_SIMT = 0, 1, 2
+THREADS = 128  # every attention kernel runs 4 warps (PK_DECODE_THREADS, PK_VARLEN_THREADS)
+DECODE_WARPS = 4
+VARLEN_BN = 32  # PK_VARLEN_BN
+MMA_ROWS, SIMT_ROWS = 64, 16  # PK_VARLEN_MMA_ROWS, PK_VARLEN_SIMT_ROWS
+GROUP_TILES = (1, 2, 4, 8)
+#: Partition sizes (keys per split-K block) of the decode kernel.
+MIN_PARTITION, MAX_PARTITION, DEFAULT_PARTITION = 64, 2048, 512
+MAX_SPLITS = 64
+#: Forces the decode partition size (a multiple of 16 >= 16), for tests of the split-K path.
+PARTITION_ENV = "PAGED_KERNELS_CUDA_PARTITION"
+
+
+def support(device_types: Sequence[str], head_sizes: Sequence[int] = HEAD_SIZES) -> Support:
+    """What the CUDA kernels support, on the given device types."""
+    return Support(
+        dtypes=frozenset(DTYPE_CODES),
+        device_types=frozenset(device_types),
+        features=frozenset(FEATURES),
+        head_sizes=frozenset(head_sizes),
+        reasons=(("head_sizes", "kernels are instantiated per head size (a multiple of 16 for "
+                                "the tensor-core path); see PK_HEAD_SIZES in cuda/csrc/pk_launch.cuh"),),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Params structs, packed from pk_ops.h's field lists.
+
+_KIND_FORMAT = {"p": "Q", "i": "q", "f": "d"}
+_STRUCT_MACROS = {"attn": "PK_ATTN_FIELDS", "write_kv": "PK_WRITE_KV_FIELDS",
+                  "copy": "PK_COPY_FIELDS"}
+
+
+def _read_fields(macro: str) -> tuple[tuple[str, str], ...]:
+    text = (CSRC_DIR / "pk_ops.h").read_text()
+    m = re.search(rf"#define {macro}\(P, I, F\)(.*?)(?:\n\n|\n#define|\nstruct)", text, re.S)
+    if m is None:
+        raise RuntimeError(f"cannot find {macro} in {CSRC_DIR / 'pk_ops.h'}")
+    return tuple((name, kind.lower()) for kind, name in re.findall(r"\b([PIF])\((\w+)\)",
+                                                                      m.group(1)))
+
+
+FIELDS: dict[str, tuple[tuple[str, str], ...]] = {k: _read_fields(v)
+                                                  for k, v in _STRUCT_MACROS.items()}
+
+
+def pack(struct_name: str, values: dict[str, Any]) -> bytes:
+    """Packs `values` (every field of the struct; pointers as ints, None = 0) in field order."""
+    fields = FIELDS[struct_name]
+    missing = [n for n, _ in fields if n not in values]
+    extra = sorted(set(values) - {n for n, _ in fields})
+    assert not missing and not extra, f"{struct_name}: missing {missing}, unknown {extra}"
+    fmt = "<" + "".join(_KIND_FORMAT[k] for _, k in fields)
+    return struct.pack(fmt, *[(values[n] or 0) if k != "f" else float(values[n] or 0.0)
+                              for n, k in fields])
+
+
+def unpack(struct_name: str, packed: bytes) -> dict[str, Any]:
+    """The inverse of `pack` (used by the JIT launcher)."""
+    fields = FIELDS[struct_name]
+    fmt = "<" + "".join(_KIND_FORMAT[k] for _, k in fields)
+    return dict(zip((n for n, _ in fields), struct.unpack(fmt, packed)))
+
+
+def check_layout(ext: Any) -> None:
+    """Raises RuntimeError if a built module's structs differ from pk_ops.h as read here."""
+    for name, fields in FIELDS.items():
+        built = tuple((n, k) for n, k in ext.fields(name))
+        if built != fields or ext.struct_size(name) != 8 * len(fields):
+            raise RuntimeError(f"params struct {name!r}: the built module's layout differs from "
+                               f"{CSRC_DIR / 'pk_ops.h'} (rebuild the extension)")
+
+
+class Extension(Protocol):
+    """What ops needs from a module of launchers (pybind11 module or jit.JitModule)."""
+
+    def paged_attention(self, params: bytes, stream: int) -> None: ...
+    def write_kv(self, params: bytes, stream: int) -> None: ...
+    def copy_blocks(self, params: bytes, stream: int) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention plan.
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything about one paged_attention launch that is decided on the host."""
+
+    kernel: int
+    group_tile: int        # decode: query heads per block (template argument)
+    heads_per_cta: int     # varlen: query heads per block
+    num_head_chunks: int   # blocks per KV head along the GQA group
+    q_tile_tokens: int     # varlen: query tokens per block
+    num_splits: int        # decode: split-K partitions (1 = no reduce kernel)
+    partition_size: int    # decode: keys per partition
+    grid: tuple[int, int, int]
+    smem_bytes: int
+    reduce_grid: tuple[int, int]
+
+
+def _decode_partition(p: AttentionProblem, ctas: int, num_sms: int) -> tuple[int, int]:
+    """(partition_size, num_splits) from the table capacity (an upper bound on every visible
+    range, known without reading seq_lens): enough blocks to fill the device, bounded workspace."""
+    capacity = p.block_tables.shape[1] * p.block_size
+    if p.sliding_window is not None:
+        capacity = min(capacity, p.sliding_window)
+    forced = os.environ.get(PARTITION_ENV)
+    if forced:
+        size = int(forced)
+        if size < 16 or size % 16:
+            raise ValueError(f"{PARTITION_ENV}: expected a multiple of 16 >= 16, got {forced!r}")
+    else:
+        size = DEFAULT_PARTITION
+        while size > MIN_PARTITION and ctas * math.ceil(capacity / size) < 4 * num_sms:
+            size //= 2
+        size = max(size, min(MAX_PARTITION, 64 * math.ceil(capacity / (64 * MAX_SPLITS))))
+    return size, max(1, math.ceil(capacity / size))
+
+
+def _pow2_at_least(n: int, choices: Sequence[int]) -> int:
+    return next(c for c in choices if c >= n)
+
+
+def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
+    """The launch plan for `p` on a device with `num_sms` multiprocessors."""
+    group = p.num_queries_per_kv
+    if p.is_decode:
+        tile = _pow2_at_least(min(group, GROUP_TILES[-1]), GROUP_TILES)
+        chunks = math.ceil(group / tile)
+        size, splits = _decode_partition(p, p.num_seqs * p.num_kv_heads * chunks, num_sms)
+        smem = 4 * max(size * tile, DECODE_WARPS * tile * p.head_size)
+        return AttentionPlan(KERNEL_DECODE, tile, tile, chunks, 1, splits, size,
+                             (p.num_kv_heads * chunks, p.num_seqs, splits), smem,
+                             (p.num_heads, p.num_seqs))
+    mma = p.query.dtype != torch.float32
+    rows = MMA_ROWS if mma else SIMT_ROWS
+    hc = min(group, rows)
+    chunks = math.ceil(group / hc)
+    bq = rows // hc
+    d = p.head_size
+    if mma:
+        smem = p.query.element_size() * ((MMA_ROWS + VARLEN_BN) * (d + 8) + d * (VARLEN_BN + 8))
+    else:
+        smem = 4 * (SIMT_ROWS * d + VARLEN_BN * (d + 1) + VARLEN_BN * d)
+    return AttentionPlan(KERNEL_VARLEN_MMA if mma else KERNEL_VARLEN_SIMT, 1, hc, chunks, bq, 1,
+                         0, (p.num_tokens // bq + p.num_seqs, p.num_kv_heads * chunks, 1), smem,
+                         (0, 0))
+
+
+def kernel_names(plan: AttentionPlan, dtype: torch.dtype, head_size: int) -> list[str]:
+    """The template instantiations a plan launches (the JIT path compiles these by name)."""
+    t = CTYPES[dtype]
+    if plan.kernel == KERNEL_DECODE:
+        names = [f"pk_decode_kernel<{t}, {head_size}, {plan.group_tile}>"]
+        if plan.num_splits > 1:
+            names.append(f"pk_decode_reduce_kernel<{t}>")
+        return names
+    if plan.kernel == KERNEL_VARLEN_MMA:
+        return [f"pk_varlen_mma_kernel<{t}, {head_size}>"]
+    return [f"pk_varlen_simt_kernel<{t}, {head_size}>"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Alignment: every row the kernels load with 16-byte vectors must start 16-byte aligned.
+
+def _rows_aligned(t: torch.Tensor, row_dims: Sequence[int]) -> bool:
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((t.stride(d) * es) % 16 == 0 for d in row_dims
+                                          if t.shape[d] > 1)
+
+
+_warned_copy = False
+
+
+def _aligned_cache(cache: torch.Tensor) -> torch.Tensor:
+    """`cache` itself when its rows are 16-byte aligned, else a contiguous copy (slow; warned)."""
+    global _warned_copy
+    if _rows_aligned(cache, (0, 1, 2)):
+        return cache
+    if not _warned_copy:
+        import warnings
+        warnings.warn("paged_kernels cuda: a KV cache's strides are not multiples of 16 bytes; "
+                      "copying it to a contiguous tensor for each call (slow)", stacklevel=3)
+        _warned_copy = True
+    return cache.contiguous()
+
+
+def _attn_values(p: AttentionProblem, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, part: Optional[tuple[torch.Tensor, ...]]
+                 ) -> dict[str, Any]:
+    def ptr(t: Optional[torch.Tensor]) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    part_out, part_m, part_l = part if part is not None else (None, None, None)
+    return dict(
+        q=ptr(q), k_cache=ptr(k), v_cache=ptr(v), block_tables=ptr(p.block_tables),
+        seq_lens=ptr(p.seq_lens), cu_seqlens_q=ptr(p.cu_seqlens_q),
+        alibi_slopes=ptr(p.alibi_slopes), out=ptr(out), lse=ptr(p.lse), part_out=ptr(part_out),
+        part_m=ptr(part_m), part_l=ptr(part_l),
+        q_stride_token=q.stride(0), q_stride_head=q.stride(1),
+        k_stride_block=k.stride(0), k_stride_head=k.stride(1), k_stride_slot=k.stride(2),
+        v_stride_block=v.stride(0), v_stride_head=v.stride(1), v_stride_slot=v.stride(2),
+        o_stride_token=out.stride(0), o_stride_head=out.stride(1),
+        bt_stride=p.block_tables.stride(0),
+        num_seqs=p.num_seqs, num_tokens=p.num_tokens, num_heads=p.num_heads,
+        num_kv_heads=p.num_kv_heads, head_size=p.head_size, block_size=p.block_size,
+        group=p.num_queries_per_kv, heads_per_cta=plan.heads_per_cta,
+        num_head_chunks=plan.num_head_chunks, num_splits=plan.num_splits,
+        partition_size=plan.partition_size, sliding_window=p.sliding_window or 0,
+        dtype=DTYPE_CODES[p.query.dtype], kernel=plan.kernel, group_tile=plan.group_tile,
+        q_tile_tokens=plan.q_tile_tokens, grid_x=plan.grid[0], grid_y=plan.grid[1],
+        grid_z=plan.grid[2], threads=THREADS, smem_bytes=plan.smem_bytes,
+        reduce_grid_x=plan.reduce_grid[0], reduce_grid_y=plan.reduce_grid[1],
+        reduce_threads=THREADS, scale=p.scale, soft_cap=p.soft_cap or 0.0,
+    )
+
+
+def paged_attention(ext: Extension, p: AttentionProblem, stream: int, num_sms: int) -> None:
+    """Runs `p` through `ext`: writes p.out (and p.lse). Raises RuntimeError on a launch error."""
+    p = _contiguous_small_tensors(p)
+    plan = plan_attention(p, num_sms)
+    q = p.query if _rows_aligned(p.query, (0, 1)) else p.query.contiguous()
+    k, v = _aligned_cache(p.key_cache), _aligned_cache(p.value_cache)
+    out = p.out if _rows_aligned(p.out, (0, 1)) else torch.empty_like(q)
+    part = None
+    if plan.num_splits > 1:
+        shape = (p.num_tokens, p.num_heads, plan.num_splits)
+        dev = q.device
+        part = (torch.empty(*shape, p.head_size, dtype=torch.float32, device=dev),
+                torch.empty(shape, dtype=torch.float32, device=dev),
+                torch.empty(shape, dtype=torch.float32, device=dev))
+    values = _attn_values(p, plan, q, k, v, out, part)
+    ext.paged_attention(pack("attn", values), stream)
+    if out is not p.out:
+        p.out.copy_(out)
+
+
+def _contiguous_small_tensors(p: AttentionProblem) -> AttentionProblem:
+    """`p` with block_tables rows, seq_lens, cu_seqlens_q and alibi_slopes contiguous (the
+    kernels index them densely; they are small, so a copy when needed is cheap)."""
+    changes = {}
+    if p.block_tables.stride(1) != 1:
+        changes["block_tables"] = p.block_tables.contiguous()
+    for name in ("seq_lens", "cu_seqlens_q", "alibi_slopes"):
+        t = getattr(p, name)
+        if t is not None and not t.is_contiguous():
+            changes[name] = t.contiguous()
+    return dataclasses.replace(p, **changes) if changes else p
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache operations (byte-level; the unit is the widest alignment every address allows).
+
+def _unit_bytes(addresses: Sequence[int]) -> int:
+    return next(u for u in (16, 8, 4, 2, 1) if all(a % u == 0 for a in addresses))
+
+
+def _byte_strides(t: torch.Tensor) -> list[int]:
+    return [s * t.element_size() for s in t.stride()]
+
+
+def write_kv(ext: Extension, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor, stream: int) -> None:
+    """Scatters key/value rows to their slots; negative or out-of-range slots are skipped."""
+    slots = slot_mapping.contiguous()
+    ks, vs = _byte_strides(key), _byte_strides(value)
+    kc, vc = _byte_strides(key_cache), _byte_strides(value_cache)
+    row = key.shape[2] * key.element_size()
+    unit = _unit_bytes([row, key.data_ptr(), value.data_ptr(), key_cache.data_ptr(),
+                        value_cache.data_ptr(), *ks[:2], *vs[:2], *kc[:3], *vc[:3]])
+    if unit < 2:
+        raise AssertionError("element rows are at least 2-byte aligned")
+    values = dict(
+        key=key.data_ptr(), value=value.data_ptr(), k_cache=key_cache.data_ptr(),
+        v_cache=value_cache.data_ptr(), slot_mapping=slots.data_ptr(),
+        key_stride_token=ks[0], key_stride_head=ks[1], value_stride_token=vs[0],
+        value_stride_head=vs[1], k_stride_block=kc[0], k_stride_head=kc[1], k_stride_slot=kc[2],
+        v_stride_block=vc[0], v_stride_head=vc[1], v_stride_slot=vc[2],
+        num_tokens=key.shape[0], num_kv_heads=key.shape[1], block_size=key_cache.shape[2],
+        num_slots=key_cache.shape[0] * key_cache.shape[2], row_bytes=row, unit_bytes=unit,
+        grid_x=key.shape[0], grid_y=1, threads=THREADS)
+    ext.write_kv(pack("write_kv", values), stream)
+
+
+def _copy_values(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, mapping: torch.Tensor,
+                 src: torch.Tensor, dst: torch.Tensor, addresses: Sequence[int]) -> dict[str, Any]:
+    ss, ds = _byte_strides(src), _byte_strides(dst)
+    row = src.shape[3] * src.element_size()
+    unit = _unit_bytes([row, *addresses, *ss[:3], *ds[:3]])
+    return dict(
+        src_caches=src_ptrs.data_ptr(), dst_caches=dst_ptrs.data_ptr(),
+        mapping=mapping.data_ptr(), num_caches=src_ptrs.numel(), num_pairs=mapping.shape[0],
+        num_kv_heads=src.shape[1], block_size=src.shape[2], row_bytes=row, unit_bytes=unit,
+        src_stride_block=ss[0], src_stride_head=ss[1], src_stride_slot=ss[2],
+        dst_stride_block=ds[0], dst_stride_head=ds[1], dst_stride_slot=ds[2],
+        grid_x=mapping.shape[0], grid_y=src_ptrs.numel(), threads=THREADS)
+
+
+def _check_block_ids(arg: str, ids: torch.Tensor, num_blocks: int) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"block_mapping: expected {arg} block ids in [0, {num_blocks}), got "
+                         f"min {int(ids.min())}, max {int(ids.max())}")
+
+
+def copy_blocks(ext: Extension, key_caches: Sequence[torch.Tensor],
+                value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor,
+                stream: int) -> None:
+    """`cache[dst] = cache[src]` for every (src, dst) row in every cache. Caches with the same
+    strides go in one launch; the mapping's ids are checked on the host (it is small)."""
+    caches = [*key_caches, *value_caches]
+    _check_block_ids("src/dst", block_mapping, caches[0].shape[0])
+    device = caches[0].device
+    mapping = block_mapping.to(device=device, dtype=torch.int64).contiguous()
+    groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for c in caches:
+        groups.setdefault(tuple(c.stride()), []).append(c)
+    for same in groups.values():
+        ptrs = torch.tensor([c.data_ptr() for c in same], dtype=torch.int64).to(device)
+        values = _copy_values(ptrs, ptrs, mapping, same[0], same[0],
+                              [c.data_ptr() for c in same])
+        ext.copy_blocks(pack("copy", values), stream)
+
+
+def swap_blocks_on_device(ext: Extension, src: torch.Tensor, dst: torch.Tensor,
+                          block_mapping: torch.Tensor, stream: int) -> None:
+    """`dst[d] = src[s]` for every (s, d) row, both caches on the same device."""
+    _check_block_ids("source", block_mapping[:, 0], src.shape[0])
+    _check_block_ids("destination", block_mapping[:, 1], dst.shape[0])
+    device = dst.device
+    mapping = block_mapping.to(device=device, dtype=torch.int64).contiguous()
+    src_ptr = torch.tensor([src.data_ptr()], dtype=torch.int64).to(device)
+    dst_ptr = torch.tensor([dst.data_ptr()], dtype=torch.int64).to(device)
+    values = _copy_values(src_ptr, dst_ptr, mapping, src, dst, [src.data_ptr(), dst.data_ptr()])
+    ext.copy_blocks(pack("copy", values), stream)
