@@ -65,6 +65,8 @@ class Prepared:
     bytes_moved: int  # per call
     flops: int        # per call
     copies: int = 1   # problem copies `run` rotates over
+    #: relative error of the backend's output against torch SDPA (decode/prefill only)
+    check: Optional[Callable[[], float]] = None
 
 
 def shapes(device: str, quick: bool = False) -> list[Shape]:
@@ -140,7 +142,16 @@ def _attention_prepared(shape: Shape, dtype: torch.dtype, device: str,
     problems = [first] + [_problem(shape, dtype, device, seed=i)
                           for i in range(1, _copies(first.bytes_moved(), device))]
     fns = [sdpa_dense(p) if backend == SDPA else _attention_call(p, backend) for p in problems]
-    return Prepared(_rotating(fns), first.bytes_moved(), first.flops(), len(fns))
+    check = None
+    if backend != SDPA and first.dense_k is not None:
+        check = lambda: _rel_error(fns[0](), first)  # noqa: E731
+    return Prepared(_rotating(fns), first.bytes_moved(), first.flops(), len(fns), check)
+
+
+def _rel_error(out: torch.Tensor, p: BenchProblem) -> float:
+    """‖out − SDPA‖ / ‖SDPA‖ on the same problem (a sanity check of what was timed)."""
+    ref = sdpa_dense(p)().transpose(1, 2).reshape(out.shape).float()
+    return float(torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref))
 
 
 def _write_kv_prepared(shape: Shape, dtype: torch.dtype, device: str, backend: str) -> Prepared:
@@ -193,11 +204,14 @@ def metrics(prepared: Prepared, seconds: float, ceilings: Optional[dict] = None)
 def measure(backend: str, shape: Shape, dtype: torch.dtype, device: str,
             ceilings: Optional[dict] = None, repeat: int = 10) -> dict:
     """Times `backend` on `shape` (median of `repeat` after warm-up) and returns one result:
-    the shape's fields, the backend, and `metrics()`."""
+    the shape's fields, the backend, `metrics()` and, for decode/prefill, `rel_err_vs_sdpa`."""
     prepared = prepare(backend, shape, dtype, device)
     seconds = median_seconds(prepared.run, device, repeat=repeat)
-    return {"backend": backend, **asdict(shape), "dtype": str(dtype).replace("torch.", ""),
-            **metrics(prepared, seconds, ceilings)}
+    result = {"backend": backend, **asdict(shape), "dtype": str(dtype).replace("torch.", ""),
+              **metrics(prepared, seconds, ceilings)}
+    if prepared.check is not None:
+        result["rel_err_vs_sdpa"] = prepared.check()
+    return result
 
 
 def default_backends(device: str) -> list[str]:
@@ -213,7 +227,8 @@ def run(backends: Sequence[str], device: str, dtype: torch.dtype, quick: bool = 
         sdpa: bool = True, repeat: int = 10,
         on_result: Optional[Callable[[dict], None]] = None) -> dict:
     """Ceilings, then every shape for every backend (and torch SDPA on decode/prefill when
-    `sdpa`). A backend that rejects a shape (NotImplementedError) is recorded with `error`."""
+    `sdpa`). A point that raises (a backend that does not support the shape raises
+    NotImplementedError) is recorded with `error` and the sweep goes on."""
     ceilings = measure_ceilings(device, dtype)
     results = []
     for shape in shapes(device, quick):
@@ -223,8 +238,9 @@ def run(backends: Sequence[str], device: str, dtype: torch.dtype, quick: bool = 
         for name in names:
             try:
                 result = measure(name, shape, dtype, device, ceilings, repeat)
-            except NotImplementedError as exc:
-                result = {"backend": name, **asdict(shape), "error": str(exc)}
+            except Exception as exc:  # noqa: BLE001 - one failing point must not end a sweep
+                result = {"backend": name, **asdict(shape),
+                          "error": f"{type(exc).__name__}: {exc}"}
             results.append(result)
             if on_result is not None:
                 on_result(result)
@@ -235,8 +251,6 @@ def run(backends: Sequence[str], device: str, dtype: torch.dtype, quick: bool = 
 
 # --- output -------------------------------------------------------------------------------------
 
-COLUMNS = ("backend", "kind", "batch", "context", "q_len", "us", "GB/s", "%copy", "TFLOP/s",
-           "%matmul")
 
 
 def format_row(r: dict) -> str:
@@ -244,15 +258,16 @@ def format_row(r: dict) -> str:
     head = (f"{r['backend']:<11} {r['kind']:<8} {r['batch']:>5} {r['context']:>7} "
             f"{r['q_len']:>5} ")
     if "error" in r:
-        return head + f"  unsupported: {r['error']}"
+        return head + f"  failed: {r['error'][:200]}"
     pct = lambda key: f"{100 * r[key]:6.1f}" if key in r else "     -"  # noqa: E731
+    err = f"{r['rel_err_vs_sdpa']:9.1e}" if "rel_err_vs_sdpa" in r else "        -"
     return head + (f"{r['seconds'] * 1e6:>10.1f} {r['GB/s']:>8.1f} {pct('frac_copy_bw')} "
-                   f"{r['TFLOP/s']:>8.2f} {pct('frac_matmul')}")
+                   f"{r['TFLOP/s']:>8.2f} {pct('frac_matmul')} {err}")
 
 
 def table_header() -> str:
     return ("backend     kind     batch context q_len         us     GB/s  %copy  TFLOP/s "
-            "%matmul")
+            "%matmul  err/sdpa")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -284,11 +299,16 @@ def plot(report: dict, path: Path) -> None:
 
 
 def write_outputs(report: dict, out_dir: Path) -> list[Path]:
-    """Writes kernels.json and gbps_vs_context.png into `out_dir`; returns their paths."""
+    """Writes kernels.json and gbps_vs_context.png (without matplotlib, no plot) into `out_dir`;
+    returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out_dir / "kernels.json", out_dir / "gbps_vs_context.png"
     json_path.write_text(json.dumps(report, indent=2))
-    plot(report, png_path)
+    try:
+        plot(report, png_path)
+    except ImportError as exc:  # the JSON is the record; the plot is a convenience
+        print(f"no plot: {exc}")
+        return [json_path]
     return [json_path, png_path]
 
 
