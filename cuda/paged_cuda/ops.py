@@ -365,11 +365,16 @@ def copy_blocks(ext: Extension, key_caches: Sequence[torch.Tensor],
         ext.copy_blocks(pack("copy", values), stream)
 
 
+def check_swap_ids(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Raises ValueError if a swap's source or destination id is out of range."""
+    _check_block_ids("source", block_mapping[:, 0], src.shape[0])
+    _check_block_ids("destination", block_mapping[:, 1], dst.shape[0])
+
+
 def swap_blocks_on_device(ext: Extension, src: torch.Tensor, dst: torch.Tensor,
                           block_mapping: torch.Tensor, stream: int) -> None:
     """`dst[d] = src[s]` for every (s, d) row, both caches on the same device."""
-    _check_block_ids("source", block_mapping[:, 0], src.shape[0])
-    _check_block_ids("destination", block_mapping[:, 1], dst.shape[0])
+    check_swap_ids(src, dst, block_mapping)
     device = dst.device
     mapping = block_mapping.to(device=device, dtype=torch.int64).contiguous()
     src_ptr = torch.tensor([src.data_ptr()], dtype=torch.int64).to(device)
