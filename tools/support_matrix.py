@@ -48,6 +48,7 @@ class Declaration:
     support: Optional[Support]
     source: str  # "module.attribute" it was read from, or why it could not be read
     factory: str = ""  # "module:attribute" of the backend's factory in the registry
+    summary: str = ""  # the first line of the factory's docstring
 
 
 def _factory_path(name: str) -> tuple[str, str]:
@@ -78,11 +79,13 @@ def declaration(name: str) -> Declaration:
         return Declaration(name, None, f"declaration not importable here: {module_name} "
                                        f"({type(exc).__name__}: {exc})", factory)
     constant = getattr(module, "SUPPORT", None)
+    summary = ((getattr(getattr(module, attr, None), "__doc__", None) or "").strip()
+               .split("\n")[0])
     if isinstance(constant, Support):
-        return Declaration(name, constant, f"{module_name}.SUPPORT", factory)
+        return Declaration(name, constant, f"{module_name}.SUPPORT", factory, summary)
     found = _class_support(getattr(module, attr, None))
     if found is not None:
-        return Declaration(name, found[1], f"{module_name}.{attr}.{found[0]}", factory)
+        return Declaration(name, found[1], f"{module_name}.{attr}.{found[0]}", factory, summary)
     return Declaration(name, None, f"declaration not importable here: {module_name} has no "
                                    "module-level SUPPORT and its factory declares Support only "
                                    "on an instance", factory)
@@ -230,10 +233,10 @@ def _where(decls: Sequence[Declaration]) -> list[str]:
         if d.support is None:
             rows.append((f"`{d.backend}`", "?", f"`{d.factory}`", d.source))
             continue
-        note = dict(d.support.reasons).get("device_types", "")
+        note = dict(d.support.reasons).get("device_types") or d.summary
         rows.append((f"`{d.backend}`", ", ".join(sorted(d.support.device_types)),
                      f"`{d.factory}`", note))
-    return _table(("backend", "device types", "factory", "where it runs"), rows)
+    return _table(("backend", "device types", "factory", "notes"), rows)
 
 
 def _axes(fast: Sequence[conformance.Config], exhaustive: Sequence[conformance.Config]) -> list[str]:
