@@ -46,6 +46,9 @@ DYNAMIC_SMEM_BYTES = 227 * 1024
 CXX_FLAGS = (
     "-std=c++17", "-O2", "-fPIC", "-pthread", "-fno-strict-aliasing", "-fvisibility=hidden",
     "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function", "-Wno-unused-variable",
+    # The thread-local `extern __shared__` arrays are constant-initialised: without this flag
+    # g++ calls a (weak, absent) TLS init function on every access from another file.
+    "-fno-extern-tls-init",
     "-DPK_HOST_EMULATION",
 )
 
