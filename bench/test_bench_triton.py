@@ -120,8 +120,12 @@ def test_decode_config_candidates(benchmark, copy_gbps: float,
     batch, context, q_len = DECODE[0]
     p = _problem(batch, context, q_len)
     key = ("decode", HEADS["head_size"], 16, DTYPE)
-    configs._OVERRIDES[key] = cfg
+    configs.set_override(*key, cfg)
     try:
         _record(benchmark, p, _runner(p), copy_gbps, config=str(cfg))
+    except Exception as exc:  # a candidate may need more shared memory than the device has
+        if type(exc).__name__ == "OutOfResources":
+            pytest.skip(f"{cfg}: {exc}")
+        raise
     finally:
-        del configs._OVERRIDES[key]
+        configs.set_override(*key, None)

@@ -94,12 +94,13 @@ def test_config_keys() -> None:
                                                                           torch.float32)
     special = configs.LaunchConfig(16, 16, 2, 1)
     key = ("decode", 128, 32, torch.bfloat16)
-    configs._OVERRIDES[key] = special
+    configs.set_override(*key, special)
     try:
         assert configs.launch_config(*key) == special
         assert configs.launch_config("decode", 128, 16, torch.bfloat16) != special
     finally:
-        del configs._OVERRIDES[key]
+        configs.set_override(*key, None)
+    assert configs.launch_config(*key) != special
 
 
 def test_config_errors() -> None:

@@ -12,8 +12,9 @@ No autotuning: the interpreter must not autotune, and a fixed table keeps result
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
@@ -68,18 +69,32 @@ _TABLE: dict[tuple[str, int, int], LaunchConfig] = {
     ("varlen", 256, 4): LaunchConfig(16, 32, 8, 1),
 }
 
-# Exact (mode, head_size, block_size, dtype) entries that beat the table, once measured on a GPU.
+# Exact (mode, head_size, block_size, dtype) entries that beat the table, once measured on a GPU;
+# change through `set_override` (which clears the lookup cache).
 _OVERRIDES: dict[tuple[str, int, int, torch.dtype], LaunchConfig] = {}
 
 
+def set_override(mode: Mode, head_size: int, block_size: int, dtype: torch.dtype,
+                 config: Optional[LaunchConfig]) -> None:
+    """Records `config` as the measured best for exactly this key (None removes the record)."""
+    key = (mode, head_size, block_size, dtype)
+    if config is None:
+        _OVERRIDES.pop(key, None)
+    else:
+        _OVERRIDES[key] = config
+    launch_config.cache_clear()
+
+
+@functools.lru_cache(maxsize=256)
 def launch_config(mode: Mode, head_size: int, block_size: int, dtype: torch.dtype) -> LaunchConfig:
-    """The configuration for a kernel launch; ValueError for a mode or head size outside the table."""
+    """The configuration for a kernel launch; ValueError for a mode or head size outside the table.
+    Cached: it runs on the host before every launch."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     exact = _OVERRIDES.get((mode, head_size, block_size, dtype))
     if exact is not None:
         return exact
-    key = (mode, padded_head_size(head_size), torch.empty((), dtype=dtype).element_size())
+    key = (mode, padded_head_size(head_size), dtype.itemsize)
     if key not in _TABLE:
         raise ValueError(f"head_size: expected at most 256 with dtype float16/bfloat16/float32, "
                          f"got head_size={head_size} with {dtype}")
