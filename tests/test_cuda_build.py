@@ -1,0 +1,90 @@
+"""The CUDA compile check (no GPU needed) and the backend's absence on a machine without one.
+
+`test_every_kernel_compiles_without_hot_spills` compiles every `cuda/csrc/*.cu` to cubins for
+sm_80 and sm_90 with `-Xptxas -v` and fails if a hot kernel (decode, varlen) spills to local
+memory. By default it compiles the reduced head-size set (64 and 128: every dtype, every GQA
+group tile, every kernel and copy unit, but not head sizes 80, 96, 112, 192, 256), which takes
+about a minute on 2 cores; `PAGED_KERNELS_FULL_CUDA_CHECK=1` compiles every instantiation
+(about 2 minutes of 2 idle cores per architecture). Skipped when nvcc is absent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import paged_kernels as pk
+from cuda.paged_cuda import build, ops
+
+FULL_ENV = "PAGED_KERNELS_FULL_CUDA_CHECK"
+NVCC = build.find_nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or PATH)")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[build.KernelReport]:
+    full = os.environ.get(FULL_ENV) == "1"
+    jobs = max(2, min(8, os.cpu_count() or 2))
+    return build.compile_cubins(tmp_path_factory.mktemp("cubins"), ("80", "90"),
+                                reduced=not full, jobs=jobs)
+
+
+@needs_nvcc
+def test_every_kernel_compiles_without_hot_spills(reports) -> None:
+    print("\n" + build.format_report(reports))
+    spilling = [f"{r.arch} {r.name}: {r.spill_stores} B stores / {r.spill_loads} B loads"
+                for r in reports if r.hot and r.spills]
+    assert not spilling, "hot kernels spill to local memory:\n" + "\n".join(spilling)
+
+
+@needs_nvcc
+def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
+    full = os.environ.get(FULL_ENV) == "1"
+    head_sizes = ops.HEAD_SIZES if full else ops.REDUCED_HEAD_SIZES
+    compiled = {(r.arch, r.name.split("(")[0].replace("void ", "")) for r in reports}
+    wanted = set()
+    for dtype, ctype in ops.CTYPES.items():
+        for d in head_sizes:
+            wanted |= {f"pk_decode_kernel<{ctype}, {d}, {g}>" for g in ops.GROUP_TILES}
+            kind = "simt" if ctype == "float" else "mma"
+            wanted.add(f"pk_varlen_{kind}_kernel<{ctype}, {d}>")
+        wanted.add(f"pk_decode_reduce_kernel<{ctype}>")
+    for arch in ("sm_80", "sm_90"):
+        missing = sorted(n for n in wanted if (arch, n) not in compiled)
+        assert not missing, f"{arch}: not compiled: {missing}"
+
+
+def test_ptxas_report_parser_reads_spills_and_registers() -> None:
+    log = """ptxas info    : Compiling entry function '_Z3fooi' for 'sm_90'
+ptxas info    : Function properties for _Z3fooi
+    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 96 registers, used 1 barriers
+ptxas info    : Compiling entry function '_Z16pk_decode_kernelv' for 'sm_80'
+ptxas info    : Function properties for _Z16pk_decode_kernelv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers
+"""
+    first, second = build.parse_ptxas(log)
+    assert (first.arch, first.registers, first.spill_stores, first.spill_loads) == \
+        ("sm_90", 96, 8, 12)
+    assert first.spills and not first.hot
+    assert second.hot and not second.spills and second.registers == 40
+
+
+def test_params_layout_is_read_from_the_header() -> None:
+    names = [n for n, _ in ops.FIELDS["attn"]]
+    assert names[:3] == ["q", "k_cache", "v_cache"] and names[-2:] == ["scale", "soft_cap"]
+    values = {n: i for i, n in enumerate(names)}
+    values["scale"], values["soft_cap"] = 0.125, 2.5
+    assert ops.unpack("attn", ops.pack("attn", values)) == values
+
+
+def test_cuda_backend_is_absent_without_a_gpu_and_imports_do_not_break() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert "cuda" in pk.registered_backends()
+    assert "cuda" not in pk.available_backends()
+    assert "torch.cuda is not available" in pk.unavailable_backends()["cuda"]
