@@ -105,6 +105,10 @@ class BlockManager:
     def is_swapped(self, seq_id: int) -> bool:
         return seq_id in self._host_tables
 
+    def sequences(self) -> set[int]:
+        """Ids of every sequence holding blocks (resident or swapped)."""
+        return set(self._tables) | set(self._host_tables)
+
     def ref_count(self, block: int) -> int:
         return self._ref[block]
 

@@ -1,0 +1,106 @@
+"""The paged KV cache tensors: one key and one value cache per layer, plus a host pool for swap.
+
+Each cache is `[num_blocks, num_kv_heads, block_size, head_dim]` in the model's dtype (the layout
+of docs/abi.md). The pool size is a block count, or derived from a memory budget in bytes.
+Block moves (copy-on-write copies, swap out, swap in) go through `paged_kernels.attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from engine.block_manager import BlockCopy
+from paged_kernels.attention import copy_blocks, swap_blocks
+
+#: Budget used when neither a block count nor a byte budget is given.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers, keys and values."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * element
+
+
+def num_blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                          block_size: int, dtype: torch.dtype) -> int:
+    """The most blocks that fit in `budget_bytes`; ValueError if not even one does."""
+    per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
+    count = budget_bytes // per_block
+    if count < 1:
+        raise ValueError(f"kv_cache_memory_bytes: expected at least one block ({per_block} bytes "
+                         f"for block_size={block_size}, {dtype}), got {budget_bytes}")
+    return count
+
+
+def _mapping(pairs: Sequence[BlockCopy]) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+
+
+class KVCache:
+    """Device caches (`kv_caches[i] = (key, value)` of layer `i`) and the host swap pool.
+
+    `fill` (tests) writes that value (e.g. NaN) into every slot so that reading a slot never
+    written shows up in the results; by default the memory is left uninitialised, which the ABI
+    allows since unwritten slots are never read.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 num_host_blocks: int = 0, backend: str = "auto",
+                 fill: Optional[float] = None) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.backend = backend
+        self.device_caches = self._allocate(num_layers, num_blocks, num_kv_heads, block_size,
+                                            head_dim, dtype, torch.device(device), fill)
+        self.host_caches = self._allocate(num_layers, num_host_blocks, num_kv_heads, block_size,
+                                          head_dim, dtype, torch.device("cpu"), fill)
+
+    @staticmethod
+    def _allocate(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
+                  head_dim: int, dtype: torch.dtype, device: torch.device,
+                  fill: Optional[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if num_blocks == 0:
+            return []
+        # One allocation for everything; each layer's key and value caches are contiguous views.
+        shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
+        if fill is None:
+            storage = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            storage = torch.full(shape, fill, dtype=dtype, device=device)
+        return [(storage[i, 0], storage[i, 1]) for i in range(num_layers)]
+
+    @property
+    def key_caches(self) -> list[torch.Tensor]:
+        return [k for k, _ in self.device_caches]
+
+    @property
+    def value_caches(self) -> list[torch.Tensor]:
+        return [v for _, v in self.device_caches]
+
+    def copy(self, pairs: Sequence[BlockCopy]) -> None:
+        """Copy-on-write: device block `src` to device block `dst` for each pair, every layer."""
+        if pairs:
+            copy_blocks(self.key_caches, self.value_caches, _mapping(pairs),
+                        backend=self.backend)
+
+    def swap_out(self, pairs: Sequence[BlockCopy]) -> None:
+        """Device block -> host block for each `(device, host)` pair, every layer."""
+        self._swap(self.device_caches, self.host_caches, pairs)
+
+    def swap_in(self, pairs: Sequence[BlockCopy]) -> None:
+        """Host block -> device block for each `(host, device)` pair, every layer."""
+        self._swap(self.host_caches, self.device_caches, pairs)
+
+    def _swap(self, src: list, dst: list, pairs: Sequence[BlockCopy]) -> None:
+        if not pairs:
+            return
+        mapping = _mapping(pairs)
+        for (sk, sv), (dk, dv) in zip(src, dst):
+            swap_blocks(sk, dk, mapping, backend=self.backend)
+            swap_blocks(sv, dv, mapping, backend=self.backend)

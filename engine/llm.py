@@ -1,0 +1,156 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, `chat`, `beam_search`.
+
+Like vLLM's `LLM`: prompts are strings or `{"prompt_token_ids": [...]}` dicts; results come back
+in the order of the prompts, whatever order the engine finished them in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from engine.beam_search import BeamSearcher, BeamSearchOutput
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model.loader import LoadedModel
+from engine.outputs import RequestOutput
+from engine.sampling_params import BeamSearchParams, SamplingParams
+
+Prompt = Union[str, dict]
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "auto": torch.float32}
+
+
+def _resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype: expected a torch.dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+class LLM:
+    """A model with its paged KV cache, ready for offline batched generation.
+
+    `model`: None (the default SmolLM2-135M-Instruct GGUF), a `.gguf` path, a Hugging Face
+    directory, or a `LoadedModel`. `dtype`: float32 or bfloat16 (or a name). The other arguments
+    are `EngineConfig`'s (see there): the KV pool as `num_kv_blocks` or `kv_cache_memory_bytes`,
+    the step budgets, prefix caching, the preemption mode and the attention backend. `kv_fill`
+    (a testing aid) fills the KV cache with a value such as NaN.
+    """
+
+    def __init__(self, model: Union[str, None, LoadedModel] = None,
+                 dtype: Union[str, torch.dtype] = torch.float32, block_size: int = 16,
+                 num_kv_blocks: Optional[int] = None,
+                 kv_cache_memory_bytes: Optional[int] = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 preemption_mode: str = "recompute", backend: str = "auto",
+                 max_model_len: Optional[int] = None, num_host_blocks: Optional[int] = None,
+                 device: Union[str, torch.device] = "cpu",
+                 kv_fill: Optional[float] = None) -> None:
+        config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                              kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              num_host_blocks=num_host_blocks, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              enable_prefix_caching=enable_prefix_caching,
+                              preemption_mode=preemption_mode, max_model_len=max_model_len,
+                              backend=backend)
+        self.llm_engine = LLMEngine(model, _resolve_dtype(dtype), config, device, kv_fill)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    # ---------------------------------------------------------------- generate
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for every prompt; returns one finished `RequestOutput` per prompt, in order.
+
+        `sampling_params` is one `SamplingParams` for all prompts or a list with one per prompt
+        (default: `SamplingParams()`).
+        """
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = self._params_per_prompt(sampling_params, len(items))
+        ids = [self._add(self._encode(p), p, sp) for p, sp in zip(items, params)]
+        finished = self._run(len(ids), use_tqdm)
+        return [finished[i] for i in ids]
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation (a list of `{"role", "content"}`
+        dicts) or a list of them, then generates as `generate` does."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"messages: expected a non-empty list of messages or of "
+                             f"conversations, got {messages!r}")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        tok = self.llm_engine.tokenizer
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (branches share KV blocks); results in prompt order."""
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        encoded = []
+        for p in items:
+            ids = self._encode(p)
+            self.llm_engine._check_prompt(ids)
+            encoded.append((p if isinstance(p, str) else p.get("prompt"), ids))
+        return BeamSearcher(self.llm_engine).run(encoded, params)
+
+    # ---------------------------------------------------------------- helpers
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.llm_engine.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.llm_engine.tokenizer.encode(prompt["prompt"])
+        raise ValueError(f"prompts: expected a str or a dict with 'prompt_token_ids' (or "
+                         f"'prompt'), got {prompt!r}")
+
+    @staticmethod
+    def _params_per_prompt(params: Union[SamplingParams, Sequence[SamplingParams], None],
+                           count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"sampling_params: expected one SamplingParams or a list of "
+                             f"{count} (one per prompt), got a list of {len(params)}")
+        return params
+
+    def _add(self, ids: list[int], prompt: Prompt, params: SamplingParams) -> str:
+        request_id = f"offline-{self._counter}"
+        self._counter += 1
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+        self.llm_engine.add_request(request_id, ids, params, prompt=text)
+        return request_id
+
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return finished

@@ -1,0 +1,258 @@
+"""The engine loop: one `step()` = schedule -> run the model -> sample -> post-process.
+
+`LLMEngine` owns the model, the KV cache, the block manager, the scheduler and the sampler.
+Requests come in as token ids (`add_request`); each `step()` advances every scheduled sequence
+and returns a `RequestOutput` for each request that produced tokens. Post-processing appends the
+sampled tokens, detokenizes them incrementally and applies the stop conditions: EOS (unless
+`ignore_eos`), `stop_token_ids`, `stop` strings, `max_tokens` and the model's length limit; none
+but the length limits before `min_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Optional, Sequence as Seq, Union
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
+from engine.model.loader import LoadedModel, load_model
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Sequence, SequenceGroup, SequenceStatus
+from engine.runner import ModelRunner
+from engine.sampler import Sampler, SamplingState
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stats import EngineStats
+from engine.tokenizer import IncrementalDetokenizer
+
+
+class LLMEngine:
+    """Continuous-batching inference over a paged KV cache.
+
+    `model` is a path (see `engine.model.loader.load_model`), None for the default model, or an
+    already `LoadedModel` (shared between engines; its weights are not copied). `kv_fill` (a
+    testing aid) fills every KV slot with that value (NaN proves unwritten slots are never read).
+    """
+
+    def __init__(self, model: Union[str, None, LoadedModel] = None,
+                 dtype: torch.dtype = torch.float32, config: Optional[EngineConfig] = None,
+                 device: Union[str, torch.device] = "cpu", kv_fill: Optional[float] = None
+                 ) -> None:
+        self.config = config = config or EngineConfig()
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype, device)
+        self.model_config = mc = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.device = torch.device(device)
+        self.dtype = next(self.loaded.model.parameters()).dtype
+        self.max_model_len = self._resolve_max_model_len()
+        num_blocks = self._resolve_num_blocks()
+        num_host = config.num_host_blocks
+        if num_host is None:
+            num_host = num_blocks if config.preemption_mode == "swap" else 0
+        self.block_manager = BlockManager(num_blocks, config.block_size, num_host,
+                                          config.enable_prefix_caching)
+        self.kv_cache = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                                num_blocks, config.block_size, self.dtype, self.device,
+                                num_host, config.backend, kv_fill)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.backend, self.device)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids)
+        self._seq_ids = itertools.count()
+        self._groups: dict[str, SequenceGroup] = {}
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"max_model_len: expected at most the model's "
+                             f"max_position_embeddings={limit}, got {wanted}")
+        return wanted or limit
+
+    def _resolve_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        mc = self.model_config
+        budget = self.config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+        return num_blocks_for_budget(budget, mc.num_hidden_layers, mc.num_key_value_heads,
+                                     mc.head_dim, self.config.block_size, self.dtype)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    arrival_time: Optional[float] = None, prompt: Optional[str] = None) -> None:
+        """Queues a request. ValueError for a duplicate id, an empty or out-of-vocabulary prompt,
+        a prompt that leaves no room under `max_model_len`, or one that could never fit in the
+        KV pool."""
+        if request_id in self._groups:
+            raise ValueError(f"request_id: expected an id not in use, got {request_id!r}")
+        ids = self._check_prompt(prompt_token_ids)
+        self._check_fits(len(ids), params.max_tokens, params.n)
+        group = SequenceGroup(request_id, ids, params,
+                              time.monotonic() if arrival_time is None else arrival_time,
+                              next(self._seq_ids), prompt, num_seqs=params.n)
+        if params.seed is not None:
+            group.generator = torch.Generator().manual_seed(params.seed)
+        self._init_seq(group.seqs[0])
+        self._groups[request_id] = group
+        self.scheduler.add(group)
+
+    def _check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
+        ids = list(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("prompt_token_ids: expected at least one token, got []")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            bad = next(t for t in ids if not (isinstance(t, int) and 0 <= t < vocab))
+            raise ValueError(f"prompt_token_ids: expected ints in [0, {vocab}), got {bad!r}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt_token_ids: expected fewer than max_model_len="
+                             f"{self.max_model_len} tokens, got {len(ids)}")
+        return ids
+
+    def _check_fits(self, prompt_len: int, max_tokens: Optional[int], num_seqs: int) -> None:
+        total = self.max_model_len if max_tokens is None else \
+            min(prompt_len + max_tokens, self.max_model_len)
+        blocks = num_seqs * -(-total // self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"num_kv_blocks: a request of {prompt_len} prompt tokens, "
+                             f"max_tokens={max_tokens} and n={num_seqs} may need {blocks} blocks; "
+                             f"expected a pool of at least that, got "
+                             f"{self.block_manager.num_blocks}")
+
+    def _init_seq(self, seq: Sequence) -> None:
+        params = seq.group.params
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.group.prompt_token_ids,
+                                                 params.skip_special_tokens)
+        seq.sampling_state = SamplingState(params=params,
+                                           prompt_token_ids=seq.group.prompt_token_ids,
+                                           output_token_ids=seq.output_token_ids,
+                                           generator=seq.group.generator)
+        if params.logprobs is not None and seq.logprobs is None:
+            seq.logprobs = []
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops the request wherever it is and frees its blocks; unknown ids are ignored."""
+        if self.scheduler.abort(request_id) is not None:
+            self._groups.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling step; returns outputs of the requests that produced tokens."""
+        out = self.scheduler.schedule()
+        tables = [self.block_manager.block_table(s.seq_id) for s, _ in out.scheduled]
+        sampled, logits = self.runner.execute(out, tables)
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        touched = self._sample(sampled, logits) if sampled else []
+        for group in self.scheduler.remove_finished():
+            self._groups.pop(group.request_id, None)
+        return [self._output(g) for g in touched]
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SequenceGroup]:
+        rows, targets = [], []
+        for i, seq in enumerate(seqs):
+            group = seq.group
+            family = [seq]
+            if not group.forked:
+                group.forked = True
+                family += [self._fork(seq, k) for k in range(1, group.num_seqs_reserved)]
+            rows += [i] * len(family)
+            targets += family
+        if len(rows) != len(seqs):
+            logits = logits[torch.tensor(rows)]
+        result = self.sampler.sample(logits, [s.sampling_state for s in targets])
+        for j, seq in enumerate(targets):
+            top = result.top_logprobs[j] if result.top_logprobs else None
+            seq.append_token(result.token_ids[j], result.logprobs[j], top)
+            self._post_process(seq)
+        return list(dict.fromkeys(s.group for s in targets))
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        child = parent.fork(next(self._seq_ids), index)
+        self.scheduler.fork(parent, child)
+        self._init_seq(child)
+        return child
+
+    def _post_process(self, seq: Sequence) -> None:
+        """Detokenizes the new token and finishes the sequence if a stop condition holds."""
+        params = seq.group.params
+        token = seq.output_token_ids[-1]
+        delta = seq.detokenizer.add(token)
+        seq.text += delta
+        num_out = len(seq.output_token_ids)
+        status = None
+        if num_out >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+            elif delta and params.stop and self._check_stop_strings(seq, len(delta)):
+                status = SequenceStatus.FINISHED_STOPPED
+        if status is None and ((params.max_tokens is not None and num_out >= params.max_tokens)
+                               or seq.num_tokens >= self.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish_seq(seq, status)
+
+    def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
+        """Finds a stop string ending in the new text; truncates `seq.text` there if so."""
+        params = seq.group.params
+        stops = [params.stop] if isinstance(params.stop, str) else params.stop
+        for stop in stops:
+            start = max(0, len(seq.text) - delta_len - len(stop) + 1)
+            at = seq.text.find(stop, start)
+            if at != -1:
+                end = at + len(stop) if params.include_stop_str_in_output else at
+                seq.text = seq.text[:end]
+                seq.stop_reason = stop
+                return True
+        return False
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        outputs = [CompletionOutput(index=s.index, text=s.text,
+                                    token_ids=list(s.output_token_ids),
+                                    cumulative_logprob=s.cumulative_logprob,
+                                    logprobs=None if s.logprobs is None else list(s.logprobs),
+                                    finish_reason=s.status.finish_reason,
+                                    stop_reason=s.stop_reason)
+                   for s in sorted(group.seqs, key=lambda s: s.index)]
+        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
+                             outputs, finished=group.is_finished)
+
+    # ------------------------------------------------------------ introspection
+    def stats(self) -> EngineStats:
+        """A snapshot of queue lengths, KV usage, prefix-cache counters and preemptions."""
+        bm = self.block_manager
+        sched = self.scheduler
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped), kv_cache_usage_perc=bm.usage(),
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=sched.num_preemptions,
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks)
+
+    def check_integrity(self) -> None:
+        """The block manager's invariants, and that exactly the running sequences hold device
+        blocks and exactly the swapped ones hold host blocks."""
+        bm = self.block_manager
+        bm.check_integrity()
+        for group in self.scheduler.groups():
+            for seq in group.seqs:
+                resident, swapped = bm.is_resident(seq.seq_id), bm.is_swapped(seq.seq_id)
+                if seq.status is SequenceStatus.RUNNING:
+                    assert resident and not swapped, f"{seq} is running without blocks"
+                elif seq.status is SequenceStatus.SWAPPED:
+                    assert swapped and not resident, f"{seq} is swapped without host blocks"
+                else:
+                    assert not resident and not swapped, f"{seq} holds blocks"
+        holders = {s.seq_id for g in self.scheduler.groups() for s in g.seqs
+                   if s.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED)}
+        assert bm.sequences() == holders, "blocks held by a sequence that is not live"

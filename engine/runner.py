@@ -1,0 +1,121 @@
+"""The model runner: turns one scheduled step into tensors, moves blocks, runs the model.
+
+Per step it builds, once and with vectorised numpy, the inputs every layer shares: `input_ids`
+and `positions` `[num_tokens]`, and the `AttentionMetadata` (`slot_mapping`, padded
+`block_tables`, `seq_lens` after this step's writes, `cu_seqlens_q`, None when every sequence has
+exactly one query token). Before the forward it performs the scheduler's block moves in the only
+safe order: swap out (device blocks may be reused by this step), swap in, copy-on-write copies.
+It returns float32 logits only for the sequences whose step reaches their last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model.metadata import AttentionMetadata
+from engine.request import Sequence
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs and which rows of the output hidden states to sample from."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled_seqs: list[Sequence]
+
+
+def build_inputs(scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]],
+                 block_size: int, backend: str = "auto",
+                 device: torch.device | str = "cpu") -> StepInputs:
+    """Builds the step's tensors for `scheduled` `(sequence, num_new_tokens)` pairs, where
+    `block_tables[i]` is the block table of the i-th scheduled sequence."""
+    num_seqs = len(scheduled)
+    starts = np.fromiter((s.num_computed_tokens for s, _ in scheduled), np.int64, num_seqs)
+    q_lens = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
+    cu = np.zeros(num_seqs + 1, np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    num_tokens = int(cu[-1])
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+    positions = np.arange(num_tokens) - cu[seq_of_token] + starts[seq_of_token]
+
+    input_ids: list[int] = []
+    for (seq, n), start in zip(scheduled, starts.tolist()):
+        if n == 1:
+            input_ids.append(seq.token_ids[start])
+        else:
+            input_ids.extend(seq.token_ids[start:start + n])
+
+    max_blocks = max(len(t) for t in block_tables)
+    tables = np.zeros((num_seqs, max_blocks), np.int32)
+    for i, t in enumerate(block_tables):
+        tables[i, :len(t)] = t
+    slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size \
+        + positions % block_size
+    seq_lens = (starts + q_lens).astype(np.int32)
+
+    ends = starts + q_lens
+    sampled = [i for i, (seq, _) in enumerate(scheduled) if ends[i] == seq.num_tokens]
+    decode = bool((q_lens == 1).all())
+    to = torch.device(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(to),
+        block_tables=torch.from_numpy(tables).to(to),
+        seq_lens=torch.from_numpy(seq_lens).to(to),
+        cu_seqlens_q=None if decode else torch.from_numpy(cu.astype(np.int32)).to(to),
+        backend=backend,
+    )
+    return StepInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=to),
+        positions=torch.from_numpy(positions).to(to),
+        meta=meta,
+        logits_indices=torch.from_numpy(cu[1:][sampled] - 1).to(to),
+        sampled_seqs=[scheduled[i][0] for i in sampled],
+    )
+
+
+class ModelRunner:
+    """Runs scheduled steps of one model over one `KVCache`."""
+
+    def __init__(self, model: Any, kv_cache: KVCache, backend: str = "auto",
+                 device: torch.device | str = "cpu") -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = torch.device(device)
+
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        """Swap out, swap in, then copy-on-write copies (see the module docstring)."""
+        self.kv_cache.swap_out(out.swap_out)
+        self.kv_cache.swap_in(out.swap_in)
+        self.kv_cache.copy(out.block_copies)
+
+    @torch.inference_mode()
+    def forward(self, scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]]
+                ) -> tuple[list[Sequence], Optional[torch.Tensor]]:
+        """Computes the scheduled tokens' K/V; returns the sequences to sample and their float32
+        logits `[len(sequences), vocab]` (None when no sequence reached its last token)."""
+        if not scheduled:
+            return [], None
+        inputs = build_inputs(scheduled, block_tables, self.kv_cache.block_size, self.backend,
+                              self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.device_caches,
+                            inputs.meta)
+        if not inputs.sampled_seqs:
+            return [], None
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return inputs.sampled_seqs, logits.float()
+
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]
+                ) -> tuple[list[Sequence], Optional[torch.Tensor]]:
+        """Moves the step's blocks, then runs `forward` on the scheduled sequences."""
+        self.move_blocks(out)
+        return self.forward(out.scheduled, block_tables)
