@@ -79,13 +79,16 @@ def _record(benchmark, p: BenchProblem, fn, copy: float, **extra) -> None:
     })
 
 
-@pytest.mark.parametrize("split", ["heuristic", "fixed-512"])
+SPLITS = ["heuristic", "fixed-256", "fixed-512", "fixed-1024"] if GPU else ["heuristic", "fixed-64"]
+
+
+@pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("batch,context,q_len", DECODE,
                          ids=[f"b{b}-ctx{c}" for b, c, _ in DECODE])
 def test_decode(benchmark, copy_gbps: float, split: str, batch: int, context: int,
                 q_len: int) -> None:
     p = _problem(batch, context, q_len)
-    decode.set_fixed_split_size(512 if split == "fixed-512" else None)
+    decode.set_fixed_split_size(None if split == "heuristic" else int(split.split("-")[1]))
     try:
         problem = pk.abi.check_attention_args(p.query, p.key_cache, p.value_cache,
                                               p.block_tables, p.seq_lens)

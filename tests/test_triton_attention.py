@@ -351,3 +351,14 @@ def test_varlen_kernel_finds_sequences_across_many_tiles() -> None:
     seq_lens = [3, 0, 1, 18, 0, 7, 2, 40, 1, 1]
     q_lens = [3, 0, 1, 17, 0, 2, 2, 33, 0, 1]
     check(make_case(seq_lens, q_lens, heads=(2, 1), head_size=16, block_size=8))
+
+
+@pytest.mark.parametrize("split_size", [None, 64])
+def test_decode_empty_sequence_writes_zero(fixed_split, split_size: Optional[int]) -> None:
+    """seq_len 0 in decode is outside the ABI (content checks reject it), but unchecked it still
+    writes every element: out 0 and lse -inf, with one split or several."""
+    fixed_split(split_size)
+    case = make_case([0, 200], None)
+    out, lse = run(case)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    assert not torch.isnan(out).any()

@@ -143,7 +143,7 @@ def test_split_heuristic_fills_the_device(clean_split) -> None:
     sms = runtime.num_sms(0)
     few = decode.plan_splits(_problem(1, 1, 1024), 64)[1]
     assert few == min(decode.PROGRAMS_PER_SM * sms, 1024 * 16 // decode.MIN_SPLIT_TOKENS)
-    assert decode.plan_splits(_problem(4 * sms, 1, 1024), 64)[1] == 1
+    assert decode.plan_splits(_problem(decode.PROGRAMS_PER_SM * sms, 1, 1024), 64)[1] == 1
     assert decode.plan_splits(_problem(1, 1, 8), 64)[1] == 1  # 128 keys < MIN_SPLIT_TOKENS
 
 

@@ -12,8 +12,8 @@ Two kernels (docs/triton.md):
     Bytes moved: 2 * split_size * head_size * elem (K and V) + group * head_size * elem (Q) + the
     block-table entries; writes group * (head_size + 1) fp32 partials, or the final out/lse rows
     when there is one split.
-    Invariants: seq_len >= 1 (checked by the ABI for decode); split_size is a multiple of TILE_N;
-    a program whose split starts at or after seq_len writes nothing (the reduce never reads it).
+    Invariants: split_size is a multiple of TILE_N; a program whose split (other than split 0)
+    starts at or after seq_len writes nothing, and the reduce never reads it.
 
 `_reduce_kernel`
     grid: (num_seqs, num_heads). One program merges the ceil((seq_len - base) / split_size)
@@ -22,9 +22,10 @@ Two kernels (docs/triton.md):
 
 The number of splits: a fixed split size if one is forced (`set_fixed_split_size` or the
 environment variable PAGED_KERNELS_TRITON_SPLIT_SIZE) -- then the splits of a sequence depend only
-on its own length and results are bitwise identical however it is batched --, else a heuristic that
-aims at 4 programs per SM. The heuristic uses the block table's capacity as the context length,
-since reading seq_lens would synchronise with the device.
+on its own length and results are bitwise identical however it is batched --, else a heuristic
+that aims at PROGRAMS_PER_SM programs per SM with splits of at least MIN_SPLIT_TOKENS keys. The
+heuristic takes the block table's capacity as the context length, since reading seq_lens would
+synchronise with the device: size block tables to the batch's longest sequence.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from triton_impl import configs, runtime
 from triton_impl.attend import LN2, LOG2E, attend_keys, finish
 
 SPLIT_SIZE_ENV = "PAGED_KERNELS_TRITON_SPLIT_SIZE"
-#: Programs per SM the split heuristic aims at (latency hiding for the K/V stream).
-PROGRAMS_PER_SM = 4
+#: Programs per SM the split heuristic aims at. About 4 decode programs fit on an SM at once
+#: (registers and shared memory of the bf16 head-128 kernel on sm_90), so this is about 4 waves:
+#: enough that the last, partly filled wave costs little, while the partials stay ~2% of the K/V.
+PROGRAMS_PER_SM = 16
 #: The heuristic never makes a split shorter than this many keys.
 MIN_SPLIT_TOKENS = 256
 
@@ -126,7 +129,8 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = _kv_base(seq_len, window, USE_WINDOW, TILE_N) + split * split_size
-    if start >= seq_len:
+    # split 0 always writes, so that even an (ABI-invalid) empty sequence gets out 0, lse -inf
+    if (split > 0) & (start >= seq_len):
         return
     kv_lo = start
     if USE_WINDOW:
