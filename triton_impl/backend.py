@@ -8,6 +8,8 @@ ranks below the reference, so "auto" on the CPU keeps the (much faster) referenc
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from paged_kernels.abi import FEATURES, FLOAT_DTYPES, AttentionProblem, Support
@@ -16,22 +18,23 @@ from paged_kernels.backends import Backend, BackendUnavailable
 MAX_HEAD_SIZE = 256
 MAX_BLOCK_SIZE = 256
 
-
-def _support(device_type: str) -> Support:
-    return Support(
-        dtypes=frozenset(FLOAT_DTYPES),
-        device_types=frozenset({device_type}),
-        features=frozenset(FEATURES),
-        max_head_size=MAX_HEAD_SIZE,
-        max_block_size=MAX_BLOCK_SIZE,
-        reasons=(
-            ("max_head_size", "the [rows, head_size] accumulator of one program lives in "
-                              "registers; head sizes are padded to a power of two"),
-            ("max_block_size", "block sizes above 256 are untested"),
-            ("device_types", "Triton runs natively on CUDA, or on CPU tensors in its "
-                             "interpreter (TRITON_INTERPRET=1)"),
-        ),
-    )
+#: What the backend supports on any machine; an instance narrows `device_types` to where it runs
+#: here ("cuda" natively, or "cpu" under the interpreter).
+SUPPORT = Support(
+    dtypes=frozenset(FLOAT_DTYPES),
+    device_types=frozenset({"cuda", "cpu"}),
+    features=frozenset(FEATURES),
+    max_head_size=MAX_HEAD_SIZE,
+    max_block_size=MAX_BLOCK_SIZE,
+    reasons=(
+        ("max_head_size", "one program's [rows, head_size] float32 accumulator lives in "
+                          "registers; head sizes are padded to a power of two"),
+        ("max_block_size", "larger blocks would work (keys are gathered token by token) but are "
+                           "untested"),
+        ("device_types", "cuda natively; cpu only in Triton's interpreter (TRITON_INTERPRET=1), "
+                         "ranked below the reference there"),
+    ),
+)
 
 
 class TritonBackend(Backend):
@@ -45,13 +48,14 @@ class TritonBackend(Backend):
         except ImportError as exc:
             raise BackendUnavailable(f"triton cannot be imported: {exc}") from exc
         from triton_impl import runtime
+        self._runtime = runtime
         if runtime.interpreting():
             device_type, self.priority = "cpu", -10
         elif torch.cuda.is_available():
             device_type, self.priority = "cuda", 10
         else:
             raise BackendUnavailable("no CUDA device, and TRITON_INTERPRET=1 is not set")
-        self._support = _support(device_type)
+        self._support = dataclasses.replace(SUPPORT, device_types=frozenset({device_type}))
         from triton_impl import decode, unified, write_kv
         self._decode, self._varlen, self._write_kv = (decode.paged_decode, unified.paged_varlen,
                                                       write_kv.write_kv)
@@ -61,11 +65,13 @@ class TritonBackend(Backend):
         return self._support
 
     def paged_attention(self, problem: AttentionProblem) -> None:
-        if problem.is_decode:
-            self._decode(problem)
-        else:
-            self._varlen(problem)
+        with self._runtime.device_of(problem.query):
+            if problem.is_decode:
+                self._decode(problem)
+            else:
+                self._varlen(problem)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        self._write_kv(key, value, key_cache, value_cache, slot_mapping)
+        with self._runtime.device_of(key_cache):
+            self._write_kv(key, value, key_cache, value_cache, slot_mapping)

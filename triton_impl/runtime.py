@@ -6,8 +6,10 @@ decides at `@triton.jit` decoration time whether a kernel is compiled or interpr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from typing import ContextManager
 
 import torch
 
@@ -36,3 +38,11 @@ def sm_count_for(t: torch.Tensor) -> int:
     """`num_sms` for the device holding `t`."""
     index = (t.device.index or 0) if t.device.type == "cuda" else 0
     return num_sms(index)
+
+
+def device_of(t: torch.Tensor) -> ContextManager:
+    """Makes `t`'s CUDA device current while kernels launch (Triton launches on the current
+    device); a no-op on the CPU or when it already is current."""
+    if t.device.type != "cuda" or t.device.index in (None, torch.cuda.current_device()):
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
