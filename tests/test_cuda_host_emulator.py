@@ -26,7 +26,7 @@ from cuda.paged_cuda import host_build
 TESTS_DIR = Path(host_build.HOST_DIR) / "tests"
 SOURCES = [TESTS_DIR / "selftest_kernels.cu", TESTS_DIR / "selftest_bindings.cpp"]
 DEVICE = os.environ.get("PK_SELFTEST_DEVICE", "cpu")
-SCHEDULES = ("forward", "reverse", "random") if DEVICE == "cpu" else ("hardware",)
+SCHEDULES = ("forward", "reverse", "random", "warps") if DEVICE == "cpu" else ("hardware",)
 
 host_only = pytest.mark.skipif(DEVICE != "cpu", reason="emulator behaviour (undefined on a GPU)")
 

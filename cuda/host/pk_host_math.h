@@ -11,14 +11,21 @@
 #include <cstring>
 #include <math.h>
 
+#include "pk_host_hooks.h"
 #include "pk_host_types.h"
 
 #ifndef INFINITY
 #define INFINITY (__builtin_inff())
 #endif
 
-inline float __expf(float x) { return expf(x); }
-inline float __logf(float x) { return logf(x); }
+inline float __expf(float x) {
+  pk_host::preemption_point();
+  return expf(x);
+}
+inline float __logf(float x) {
+  pk_host::preemption_point();
+  return logf(x);
+}
 inline float __exp10f(float x) { return exp10f(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
@@ -55,9 +62,12 @@ inline unsigned int min(unsigned int a, int b) { return min(a, static_cast<unsig
 inline unsigned int max(int a, unsigned int b) { return max(static_cast<unsigned int>(a), b); }
 inline unsigned int max(unsigned int a, int b) { return max(a, static_cast<unsigned int>(b)); }
 
-// Read-only cache load: an ordinary load on the host.
+// Read-only cache load: an ordinary load on the host (and a preemption point).
 template <typename T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+  pk_host::preemption_point();
+  return *p;
+}
 
 // Atomics (see the file comment for why plain read-modify-writes are exact here).
 template <typename T>

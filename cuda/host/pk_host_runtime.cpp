@@ -107,7 +107,11 @@ struct Warp {
   alignas(16) unsigned char slots[2][kWarpSize][kExchangeBytes];
 };
 
-enum class Order { kForward, kReverse, kRandom };
+// Thread orders (PK_HOST_SCHEDULE): lock-step passes (forward, reverse, random with preemption),
+// or warp-serial: the warps in a random priority order, the first ready thread of the best warp
+// runs, so one warp runs as far as it can before the next moves (priorities are drawn again
+// whenever a __syncthreads completes).
+enum class Order { kForward, kReverse, kRandom, kWarpSerial };
 
 struct Worker {
   std::vector<std::unique_ptr<Fiber>> fibers;
@@ -122,6 +126,7 @@ struct Worker {
   unsigned n_threads = 0;
   unsigned n_done = 0;
   unsigned block_arrived = 0;
+  bool reorder = false;  // a block barrier completed (warp-serial: draw new priorities)
   KernelBody body{nullptr, nullptr};
   bool failed = false;
   std::string error;
@@ -212,6 +217,7 @@ void yield_to_scheduler(Worker& w, Fiber& f) {
 
 void release_block_barrier(Worker& w) {
   w.block_arrived = 0;
+  w.reorder = true;
   for (unsigned i = 0; i < w.n_threads; ++i)
     if (w.fibers[i]->state == State::kWaitBlock) w.fibers[i]->state = State::kReady;
 }
@@ -246,6 +252,16 @@ uint64_t next_random(uint64_t& state) {  // splitmix64
 void make_order(Worker& w) {
   unsigned n = w.n_threads;
   w.order.resize(n);
+  if (w.policy == Order::kWarpSerial) {
+    std::vector<unsigned> warps(w.warps.size());
+    for (unsigned i = 0; i < warps.size(); ++i) warps[i] = i;
+    for (unsigned i = static_cast<unsigned>(warps.size()); i > 1; --i)
+      std::swap(warps[i - 1], warps[next_random(w.rng) % i]);
+    unsigned k = 0;
+    for (unsigned wi : warps)
+      for (int l = 0; l < w.warps[wi].size; ++l) w.order[k++] = wi * kWarpSize + l;
+    return;
+  }
   for (unsigned i = 0; i < n; ++i)
     w.order[i] = w.policy == Order::kReverse ? n - 1 - i : i;
   if (w.policy == Order::kRandom) {
@@ -285,6 +301,15 @@ std::string describe_deadlock(const Worker& w) {
   return msg;
 }
 
+// Preemption points between two preemptions under the random schedule: 1..kPreemptSpan.
+constexpr unsigned kPreemptSpan = 24;
+
+void arm_preemption(Worker& w) {
+  tls_preempt_countdown =
+      w.policy == Order::kRandom ? 1 + static_cast<unsigned>(next_random(w.rng) % kPreemptSpan)
+                                 : 0;
+}
+
 // Runs the current block to completion; false (with w.error set) if it failed.
 bool run_block(Worker& w) {
   for (unsigned i = 0; i < w.n_threads; ++i) {
@@ -296,6 +321,7 @@ bool run_block(Worker& w) {
   for (Warp& wp : w.warps) wp.arrived = 0;
   w.n_done = 0;
   w.block_arrived = 0;
+  arm_preemption(w);
   for (;;) {
     bool ran = false;
     make_order(w);
@@ -309,10 +335,19 @@ bool run_block(Worker& w) {
       switch_into(w, f);
       w.current = nullptr;
       tls_thread = nullptr;
-      if (w.failed) return false;
+      if (w.failed) {
+        tls_preempt_countdown = 0;
+        return false;
+      }
+      if (w.policy == Order::kWarpSerial) {  // rescan from the best priority
+        if (w.reorder) make_order(w);
+        w.reorder = false;
+        k = static_cast<unsigned>(-1);
+      }
     }
     if (!ran) break;
   }
+  tls_preempt_countdown = 0;
   if (w.n_done != w.n_threads) {
     w.error = describe_deadlock(w);
     return false;
@@ -343,7 +378,10 @@ void set_threads(Worker& w, dim3 block) {
 void read_schedule(Worker& w) {
   const char* order = std::getenv("PK_HOST_SCHEDULE");
   std::string o = order ? order : "forward";
-  w.policy = o == "reverse" ? Order::kReverse : o == "random" ? Order::kRandom : Order::kForward;
+  w.policy = o == "reverse"  ? Order::kReverse
+             : o == "random" ? Order::kRandom
+             : o == "warps"  ? Order::kWarpSerial
+                             : Order::kForward;
   const char* seed = std::getenv("PK_HOST_SEED");
   w.rng = seed ? std::strtoull(seed, nullptr, 10) : 0x5eedull;
 }
@@ -437,6 +475,18 @@ const unsigned char* warp_exchange(const void* mine, size_t n, unsigned mask, in
   f.state = State::kWaitWarp;
   yield_to_scheduler(w, f);
   return &wp.slots[b][0][0];
+}
+
+void preempt() {
+  Worker& w = tls_worker;
+  if (w.current == nullptr) {  // a conversion outside a kernel: nothing to preempt
+    tls_preempt_countdown = 0;
+    return;
+  }
+  Fiber& f = *w.current;
+  arm_preemption(w);
+  f.state = State::kReady;
+  yield_to_scheduler(w, f);
 }
 
 unsigned warp_existing_lanes() {

@@ -10,8 +10,11 @@
 //   count as arrived), and a warp collective completes only when all existing lanes of the warp
 //   entered one; a lane that returned, or waits at a different barrier, is reported as a deadlock.
 // - Between barriers threads run one at a time, in an order set by PK_HOST_SCHEDULE:
-//   "forward" (thread 0 first, the default), "reverse", or "random" (seeded by PK_HOST_SEED, new
-//   order at each step). A missing barrier shows up as a result that depends on the order.
+//   "forward" (thread 0 first, the default), "reverse", or "random" (seeded by PK_HOST_SEED: a new
+//   order at each step, and the running thread is also preempted at random preemption points,
+//   see pk_host_hooks.h), or "warps" (warp-serial: warps in a random priority order, seeded by
+//   PK_HOST_SEED; one warp runs as far as it can, up to a __syncthreads, before the next moves).
+//   A missing barrier shows up as a result that depends on the schedule.
 // - Static `__shared__` variables are `thread_local` (one host thread runs one block at a time, so
 //   all threads of a block see the same object; the next block finds the last one's contents,
 //   as uninitialised shared memory may on a GPU). Dynamic `extern __shared__` arrays are defined

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "pk_host_hooks.h"
+
 // ---- vector types ----
 struct alignas(8) uint2 { unsigned int x, y; };
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
@@ -152,12 +154,22 @@ static_assert(sizeof(__half) == 2 && sizeof(__nv_bfloat16) == 2, "16-bit float t
 static_assert(sizeof(__half2) == 4 && sizeof(__nv_bfloat162) == 4, "16-bit float pairs");
 static_assert(sizeof(uint4) == 16 && alignof(uint4) == 16, "uint4 layout");
 
-// ---- conversions (cuda_fp16.h / cuda_bf16.h names) ----
-inline float __half2float(__half h) { return pk_host::half_bits_to_float(h.__x); }
-inline __half __float2half(float f) { return __half(__half_raw{pk_host::float_to_half_bits(f)}); }
+// ---- conversions (cuda_fp16.h / cuda_bf16.h names); each is a preemption point ----
+inline float __half2float(__half h) {
+  pk_host::preemption_point();
+  return pk_host::half_bits_to_float(h.__x);
+}
+inline __half __float2half(float f) {
+  pk_host::preemption_point();
+  return __half(__half_raw{pk_host::float_to_half_bits(f)});
+}
 inline __half __float2half_rn(float f) { return __float2half(f); }
-inline float __bfloat162float(__nv_bfloat16 b) { return pk_host::bf16_bits_to_float(b.__x); }
+inline float __bfloat162float(__nv_bfloat16 b) {
+  pk_host::preemption_point();
+  return pk_host::bf16_bits_to_float(b.__x);
+}
 inline __nv_bfloat16 __float2bfloat16(float f) {
+  pk_host::preemption_point();
   return __nv_bfloat16(__nv_bfloat16_raw{pk_host::float_to_bf16_bits(f)});
 }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __float2bfloat16(f); }
