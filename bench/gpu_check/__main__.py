@@ -79,8 +79,10 @@ def build_cuda(out: Path, timeout: int, env: dict) -> dict:
     if timeout <= 0 or not torch.cuda.is_available():
         return {"skipped": "no GPU (the host-execution build is exercised by the test suite)"}
     ext_dir = out / "cuda_ext"
-    result = run_logged([sys.executable, "-m", "cuda.paged_cuda.build", "--out", str(ext_dir)],
-                        out / "build.log", timeout, env)
+    major, minor = torch.cuda.get_device_capability(0)
+    cmd = [sys.executable, "-m", "cuda.paged_cuda.build", "--out", str(ext_dir),
+           "--archs", f"{major}{minor}", "-j", str(os.cpu_count() or 8)]
+    result = run_logged(cmd, out / "build.log", timeout, env)
     if result["rc"] == 0:
         env["PAGED_KERNELS_CUDA_EXT_DIR"] = str(ext_dir)
         os.environ["PAGED_KERNELS_CUDA_EXT_DIR"] = str(ext_dir)
