@@ -17,6 +17,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,10 +76,10 @@ def run_logged(cmd: list[str], log: Path, timeout: int, env: dict) -> dict:
 
 
 def build_cuda(out: Path, timeout: int, env: dict) -> dict:
-    """Builds the CUDA extension into out/cuda_ext and points the loader at it."""
+    """Builds the CUDA extension into a temporary folder and points the loader at it."""
     if timeout <= 0 or not torch.cuda.is_available():
         return {"skipped": "no GPU (the host-execution build is exercised by the test suite)"}
-    ext_dir = out / "cuda_ext"
+    ext_dir = Path(tempfile.mkdtemp(prefix="pk_cuda_ext_"))  # build products stay out of OUT
     major, minor = torch.cuda.get_device_capability(0)
     cmd = [sys.executable, "-m", "cuda.paged_cuda.build", "--out", str(ext_dir),
            "--archs", f"{major}{minor}", "-j", str(os.cpu_count() or 8)]
