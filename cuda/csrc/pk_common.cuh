@@ -84,8 +84,32 @@ __device__ __forceinline__ float pk_exp_shifted(float x, float m) {
   return m == -INFINITY ? 0.f : __expf(x - m);
 }
 
-// Block id of token `t` of a sequence, widened to int64 before any multiplication by a stride.
-__device__ __forceinline__ int64_t pk_block_of(const int32_t* __restrict__ table, int64_t t,
-                                               int block_size) {
-  return static_cast<int64_t>(__ldg(table + t / block_size));
-}
+// Position -> cache offset through one sequence's block table. Positions are int32 (seq_lens is
+// int32); the offset is int64 before any multiplication by a stride (block_id * stride_block can
+// pass 2^31). Shifts replace the division when block_size is a power of two.
+struct PkBlockMap {
+  const int32_t* table;
+  int block_size;
+  int shift;  // log2(block_size), or -1
+
+  __device__ __forceinline__ PkBlockMap(const int32_t* t, int bs) : table(t), block_size(bs) {
+    int s = 0;
+    while ((1 << s) < bs) ++s;
+    shift = (1 << s) == bs ? s : -1;
+  }
+
+  // Index into the block table of position `pos`, and its slot in that block.
+  __device__ __forceinline__ int index(int pos, int& slot) const {
+    const int idx = shift >= 0 ? pos >> shift : pos / block_size;
+    slot = pos - idx * block_size;
+    return idx;
+  }
+
+  __device__ __forceinline__ int64_t offset(int pos, int64_t stride_block,
+                                            int64_t stride_slot) const {
+    int slot;
+    const int idx = index(pos, slot);
+    return static_cast<int64_t>(__ldg(table + idx)) * stride_block +
+           static_cast<int64_t>(slot) * stride_slot;
+  }
+};

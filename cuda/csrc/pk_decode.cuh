@@ -15,8 +15,9 @@
 //   Invariants: rows of q/k/v/out are 16-byte aligned and HEAD_SIZE % VEC == 0 (ops.py checks);
 //   no key at a position >= seq_len is ever loaded (cache slots past it may hold NaN);
 //   block-table entries past ceil(seq_len / block_size) are never read; cache offsets are int64.
-//   Dynamic shared memory (planned in ops.py `decode_smem_bytes`):
-//   max(partition_size * GROUP_TILE, 4 * GROUP_TILE * HEAD_SIZE) floats.
+//   Dynamic shared memory (planned in ops.py `plan_attention`):
+//   max(partition_size * GROUP_TILE, 4 * GROUP_TILE * HEAD_SIZE) floats for scores / the final
+//   reduction, then partition_size / block_size + 2 ints for the partition's block ids.
 //
 // pk_decode_reduce_kernel<T>
 //   Grid: (num_heads, num_seqs); 128 threads. One block merges the num_splits partial results of
@@ -42,7 +43,7 @@ struct PkDecodeShape {
   static constexpr int ROWS_PER_WARP = 32 / TG;
   static constexpr int ROWS_PER_STEP = PK_DECODE_WARPS * ROWS_PER_WARP;
   // Rows each thread group loads before using them (memory-level parallelism).
-  static constexpr int UNROLL = VPT >= 2 ? 2 : 4;
+  static constexpr int UNROLL = VPT >= 2 ? 4 : 8;
   static_assert(HEAD_SIZE % VEC == 0, "head_size must be a multiple of 16 bytes");
 };
 
@@ -118,7 +119,25 @@ pk_decode_kernel(const PkAttnParams p) {
     }
   }
 
-  const int32_t* table = static_cast<const int32_t*>(p.block_tables) + seq * p.bt_stride;
+  // The partition's block ids -> shared memory, so no K/V load waits on a block-table load.
+  const PkBlockMap bmap(static_cast<const int32_t*>(p.block_tables) + seq * p.bt_stride,
+                        block_size);
+  const int partition = static_cast<int>(p.partition_size);
+  int* s_blocks = reinterpret_cast<int*>(
+      smem + max(partition * GROUP_TILE, PK_DECODE_WARPS * GROUP_TILE * HEAD_SIZE));
+  int slot_unused;
+  const int first_idx = bmap.index(static_cast<int>(part_start), slot_unused);
+  const int num_idx = bmap.index(static_cast<int>(part_end - 1), slot_unused) - first_idx + 1;
+  for (int i = threadIdx.x; i < num_idx; i += PK_DECODE_THREADS)
+    s_blocks[i] = __ldg(bmap.table + first_idx + i);
+  __syncthreads();
+  // Offset of the row at partition index i (0 <= i < n) in a cache with these strides.
+  auto row_offset = [&](int i, int64_t stride_block, int64_t stride_slot) -> int64_t {
+    int slot;
+    const int idx = bmap.index(static_cast<int>(part_start) + i, slot);
+    return static_cast<int64_t>(s_blocks[idx - first_idx]) * stride_block +
+           static_cast<int64_t>(slot) * stride_slot;
+  };
   float* logits = smem;  // [n][GROUP_TILE]
 
   // ---- phase 1: scores ----
@@ -129,10 +148,8 @@ pk_decode_kernel(const PkAttnParams p) {
 #pragma unroll
       for (int u = 0; u < S::UNROLL; ++u) {
         const int i = base + u * S::ROWS_PER_STEP + row_in_step;
-        const int64_t t = part_start + i;
         const T* row = nullptr;
-        if (i < n) row = kbase + pk_block_of(table, t, block_size) * p.k_stride_block +
-                         (t % block_size) * p.k_stride_slot;
+        if (i < n) row = kbase + row_offset(i, p.k_stride_block, p.k_stride_slot);
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
           const int v = li + j * TG;
@@ -202,10 +219,8 @@ pk_decode_kernel(const PkAttnParams p) {
 #pragma unroll
       for (int u = 0; u < S::UNROLL; ++u) {
         const int i = base + u * S::ROWS_PER_STEP + row_in_step;
-        const int64_t t = part_start + i;
         const T* row = nullptr;
-        if (i < n) row = vbase + pk_block_of(table, t, block_size) * p.v_stride_block +
-                         (t % block_size) * p.v_stride_slot;
+        if (i < n) row = vbase + row_offset(i, p.v_stride_block, p.v_stride_slot);
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
           const int v = li + j * TG;

@@ -60,6 +60,9 @@ typedef unsigned long long uint64_t;
 typedef unsigned long long uintptr_t;
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#ifndef INFINITY  // from <math.h> elsewhere
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 #define PK_DEVICE_CODE 1
 
 #else  // nvcc (or a host compiler reading only the launcher declarations)

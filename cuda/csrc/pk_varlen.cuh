@@ -150,7 +150,8 @@ pk_varlen_mma_kernel(const PkAttnParams p) {
   for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-  const int32_t* table = static_cast<const int32_t*>(p.block_tables) + t.seq * p.bt_stride;
+  const PkBlockMap bmap(static_cast<const int32_t*>(p.block_tables) + t.seq * p.bt_stride,
+                        block_size);
   const T* kbase = static_cast<const T*>(p.k_cache) + t.kvh * p.k_stride_head;
   const T* vbase = static_cast<const T*>(p.v_cache) + t.kvh * p.v_stride_head;
 
@@ -161,9 +162,9 @@ pk_varlen_mma_kernel(const PkAttnParams p) {
       const int64_t kv = kv0 + j;
       uint4 kraw = make_uint4(0u, 0u, 0u, 0u), vraw = kraw;
       if (kv < t.kv_end) {
-        const int64_t blk = pk_block_of(table, kv, block_size), slot = kv % block_size;
-        kraw = pk_load16(kbase + blk * p.k_stride_block + slot * p.k_stride_slot + v * VEC);
-        vraw = pk_load16(vbase + blk * p.v_stride_block + slot * p.v_stride_slot + v * VEC);
+        const int pos = static_cast<int>(kv);
+        kraw = pk_load16(kbase + bmap.offset(pos, p.k_stride_block, p.k_stride_slot) + v * VEC);
+        vraw = pk_load16(vbase + bmap.offset(pos, p.v_stride_block, p.v_stride_slot) + v * VEC);
       }
       *reinterpret_cast<uint4*>(ks + j * DP + v * VEC) = kraw;
       const T* ve = reinterpret_cast<const T*>(&vraw);
@@ -321,7 +322,8 @@ pk_varlen_simt_kernel(const PkAttnParams p) {
     for (int c = 0; c < DPL; ++c) o[i][c] = 0.f;
   }
 
-  const int32_t* table = static_cast<const int32_t*>(p.block_tables) + t.seq * p.bt_stride;
+  const PkBlockMap bmap(static_cast<const int32_t*>(p.block_tables) + t.seq * p.bt_stride,
+                        block_size);
   const T* kbase = static_cast<const T*>(p.k_cache) + t.kvh * p.k_stride_head;
   const T* vbase = static_cast<const T*>(p.v_cache) + t.kvh * p.v_stride_head;
 
@@ -332,9 +334,9 @@ pk_varlen_simt_kernel(const PkAttnParams p) {
       const int64_t kv = kv0 + j;
       uint4 kraw = make_uint4(0u, 0u, 0u, 0u), vraw = kraw;
       if (kv < t.kv_end) {
-        const int64_t blk = pk_block_of(table, kv, block_size), slot = kv % block_size;
-        kraw = pk_load16(kbase + blk * p.k_stride_block + slot * p.k_stride_slot + v * VEC);
-        vraw = pk_load16(vbase + blk * p.v_stride_block + slot * p.v_stride_slot + v * VEC);
+        const int pos = static_cast<int>(kv);
+        kraw = pk_load16(kbase + bmap.offset(pos, p.k_stride_block, p.k_stride_slot) + v * VEC);
+        vraw = pk_load16(vbase + bmap.offset(pos, p.v_stride_block, p.v_stride_slot) + v * VEC);
       }
       float kf[VEC], vf[VEC];
       pk_unpack16<T>(kraw, kf);
