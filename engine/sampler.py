@@ -57,21 +57,29 @@ class Sampler:
                              f"state), got shape {tuple(logits.shape)}")
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        x = logits.clone()
+        x = self.processed_logits(logits, states)
         params = [s.params for s in states]
-        _apply_penalties(x, states)
-        self._mask_until_min_tokens(x, states)
         greedy = torch.tensor([p.greedy for p in params])
         chosen = x.argmax(dim=-1)
         if not bool(greedy.all()):
             rows = torch.nonzero(~greedy).flatten()
-            probs = _truncated_probs(x[rows], [params[i] for i in rows.tolist()])
+            probs = sampling_probs(x[rows], [params[i] for i in rows.tolist()])
             drawn = _draw(probs, [states[i].generator for i in rows.tolist()])
             chosen[rows] = drawn
         token_ids = chosen.tolist()
         chosen_lp = raw_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
         return SamplerOutput(token_ids, chosen_lp, _top_logprobs(raw_logprobs, params, token_ids,
                                                                  chosen_lp))
+
+    def processed_logits(self, logits: torch.Tensor,
+                         states: list[SamplingState]) -> torch.Tensor:
+        """A copy of `logits` (float32 `[N, vocab]`) with the penalties applied and, for rows
+        short of `min_tokens`, EOS / `stop_token_ids` set to -inf. Greedy rows take its argmax;
+        the others sample from `sampling_probs` of it."""
+        x = logits.float().clone()
+        _apply_penalties(x, states)
+        self._mask_until_min_tokens(x, states)
+        return x
 
     def _mask_until_min_tokens(self, x: torch.Tensor, states: list[SamplingState]) -> None:
         for i, s in enumerate(states):
@@ -106,8 +114,10 @@ def _apply_penalties(x: torch.Tensor, states: list[SamplingState]) -> None:
             x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
 
-def _truncated_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p, row by row (rows [R, vocab])."""
+def sampling_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a non-greedy row samples from: softmax of `x / temperature` restricted
+    by top-k, then top-p, then min-p (dropped tokens get probability 0, the rest are
+    renormalised). `x` is `[R, vocab]`, one row per params."""
     temps = torch.tensor([p.temperature for p in params], dtype=x.dtype)
     x = x / temps[:, None]
     vocab = x.shape[1]
@@ -120,6 +130,7 @@ def _truncated_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     if bool((min_p > 0).any()):
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
@@ -131,7 +142,8 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], float("-inf"))
     probs = torch.softmax(sorted_x, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability of the strictly better-ranked tokens
-    drop = (before >= top_p[:, None]) & (rank > 0)
+    # top_p == 1 keeps everything, even where rounding lets `before` reach 1
+    drop = (before >= top_p[:, None]) & (rank > 0) & (top_p[:, None] < 1.0)
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
 
