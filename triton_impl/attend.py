@@ -55,7 +55,8 @@ def attend_keys(
     TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Folds keys `[kv_lo, kv_hi)` into `(acc, m_i, l_i)`; masks causality and the window per row."""
+    """Folds keys `[kv_lo, kv_hi)` into `(acc, m_i, l_i)`, masking causality and the window
+    per row."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     for start in range((kv_lo // TILE_N) * TILE_N, kv_hi, TILE_N):

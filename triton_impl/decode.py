@@ -185,7 +185,7 @@ def _reduce_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     m = float("-inf")
-    l = 0.0
+    total = 0.0  # sum of the merged partials' weights
     acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
     for k in range(0, num_splits):
         lse2 = tl.load(part_lse_ptr + seq * stride_qs + head * stride_qh + k * stride_qk)
@@ -196,10 +196,10 @@ def _reduce_kernel(
         alpha = tl.exp2(m - m_safe)
         w = tl.exp2(lse2 - m_safe)
         acc = acc * alpha + w * o
-        l = l * alpha + w
+        total = total * alpha + w
         m = m_new
-    seen = l > 0.0
-    l_safe = tl.where(seen, l, 1.0)
+    seen = total > 0.0
+    l_safe = tl.where(seen, total, 1.0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d,
              (acc / l_safe).to(out_ptr.dtype.element_ty), mask=d_ok)
     if HAS_LSE:
@@ -215,7 +215,8 @@ def _flags(p: AttentionProblem) -> dict:
 
 
 def paged_decode(p: AttentionProblem) -> None:
-    """Decode attention for a checked problem with `cu_seqlens_q is None`; fills p.out (and p.lse)."""
+    """Decode attention for a checked problem with `cu_seqlens_q is None`; fills p.out (and
+    p.lse)."""
     cfg = configs.launch_config("decode", p.head_size, p.block_size, p.query.dtype)
     head_pad = configs.padded_head_size(p.head_size)
     split_size, num_splits = plan_splits(p, cfg.tile_n)

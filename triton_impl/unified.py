@@ -30,7 +30,7 @@ from triton_impl.attend import LN2, LOG2E, attend_keys, finish
 
 @triton.jit
 def _find_seq(cu_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
-    """The sequence s whose tiles contain `tile`: the largest s with cu[s] // BLOCK_Q + s <= tile."""
+    """The sequence whose tiles contain `tile`: the largest s with cu[s] // BLOCK_Q + s <= tile."""
     lo = 0
     hi = num_seqs - 1
     while lo < hi:
