@@ -1,0 +1,108 @@
+"""The tokenizer built from the default GGUF's metadata against transformers' tokenizer for the
+same file; chat templates; incremental detokenisation of multi-byte characters."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine.model.gguf_reader import gguf_metadata, open_gguf
+from engine.model.loader import default_model_path
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, render_chat_template
+
+TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnew lines", "émoji 🎉 and 中文字符",
+         "<|im_start|>user\nhi<|im_end|>\n", "def f(x):\n    return x ** 2  # 😀😀",
+         "numbers 1234567 and CamelCaseWords, don't stop!"]
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And 3+3? ☃"}]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(gguf_metadata(open_gguf(default_model_path())))
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                      gguf_file=os.path.basename(path))
+
+
+def test_encode_and_decode_match_transformers(tok, hf_tok):
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == hf_tok.encode(text), text
+        assert tok.decode(ids, skip_special_tokens=False) == hf_tok.decode(ids) == text
+        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+    assert tok.vocab_size == len(hf_tok)
+    assert tok.bos_token_id == hf_tok.bos_token_id
+    assert tok.eos_token_ids == {hf_tok.eos_token_id}
+
+
+def test_special_tokens_are_single_ids_and_skippable(tok):
+    ids = tok.encode("<|im_start|>assistant\nok<|im_end|>")
+    assert ids[0] == tok.encode("<|im_start|>")[0] and len(tok.encode("<|im_end|>")) == 1
+    assert tok.decode(ids) == "assistant\nok"
+    assert tok.is_special(ids[0]) and not tok.is_special(ids[1])
+
+
+def test_chat_template_matches_transformers(tok, hf_tok):
+    for messages in (MESSAGES, MESSAGES[1:2]):
+        for gen in (True, False):
+            want = hf_tok.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=gen)
+            assert tok.apply_chat_template(messages, add_generation_prompt=gen) == want
+
+
+def test_chat_template_globals_and_errors():
+    template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}"
+                "{% endif %}{{ bos_token }}{{ messages | tojson }}"
+                "{% if add_generation_prompt %}>{% endif %}")
+    msgs = [{"role": "user", "content": "é"}]
+    assert render_chat_template(template, msgs, bos_token="<s>") == \
+        '<s>[{"role": "user", "content": "é"}]>'
+    with pytest.raises(ValueError, match="user first"):
+        render_chat_template(template, [{"role": "system", "content": "x"}])
+    with pytest.raises(ValueError, match="^messages:"):
+        render_chat_template(template, ["not a dict"])
+    year = render_chat_template("{{ strftime_now('%Y') }}", msgs)
+    assert year.isdigit() and len(year) == 4
+
+
+def _stream(tok: Tokenizer, prompt: list[int], ids: list[int], skip: bool) -> list[str]:
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    deltas = [detok.add(t) for t in ids]
+    assert "".join(deltas) == detok.text
+    assert detok.token_ids == ids
+    return deltas
+
+
+def test_incremental_detokenizer_never_splits_a_character(tok):
+    prompt = tok.encode("Say something:")
+    for text in TEXTS + ["🎉🎉 中文 ﷽ 𝄞 done"]:
+        ids = tok.encode(text)
+        for skip in (True, False):
+            deltas = _stream(tok, prompt, ids, skip)
+            assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+            assert not any("\ufffd" in d for d in deltas)
+    # the emoji is split over several byte tokens: the first ones yield nothing
+    ids = tok.encode("a🎉")
+    assert len(ids) > 2
+    deltas = _stream(tok, [], ids, True)
+    assert deltas[0] == "a" and deltas[1:-1] == [""] * (len(ids) - 2) and deltas[-1] == "🎉"
+
+
+def test_incremental_detokenizer_skips_special_tokens(tok):
+    ids = tok.encode("ok<|im_end|>\nnext")
+    assert "".join(_stream(tok, [1], ids, True)) == "ok\nnext"
+    assert "".join(_stream(tok, [1], ids, False)) == "ok<|im_end|>\nnext"
+
+
+def test_unsupported_gguf_tokenizer_is_an_error(tok):
+    with pytest.raises(ValueError, match="tokenizer.ggml.model"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert"})
