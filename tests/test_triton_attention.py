@@ -362,3 +362,20 @@ def test_decode_empty_sequence_writes_zero(fixed_split, split_size: Optional[int
     out, lse = run(case)
     assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
     assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("batch", ["decode", "varlen"])
+def test_strided_index_tensors(batch: str) -> None:
+    """Block tables, lengths, cu_seqlens_q and ALiBi slopes may be strided views (the ABI fixes
+    their dtype and shape only)."""
+    q_lens = None if batch == "decode" else [5, 2]
+    case = make_case([21, 34], q_lens, heads=(4, 2))
+    want, want_lse = run(case, alibi_slopes=slopes(4))
+    case.block_tables = case.block_tables.t().contiguous().t()  # column-major
+    case.seq_lens = torch.stack([case.seq_lens, -case.seq_lens], 1)[:, 0]  # stride 2
+    if case.cu_seqlens_q is not None:
+        case.cu_seqlens_q = torch.stack([case.cu_seqlens_q] * 3, 1)[:, 1]
+    strided_slopes = torch.stack([slopes(4)] * 2, 1)[:, 0]
+    assert not case.block_tables.is_contiguous() and not case.seq_lens.is_contiguous()
+    got, lse = run(case, alibi_slopes=strided_slopes)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)

@@ -237,3 +237,13 @@ def test_write_kv_then_attend_roundtrip() -> None:
                              torch.tensor([1], dtype=torch.int32, device=DEVICE),
                              backend="triton")
     assert torch.equal(out, value.repeat_interleave(2, dim=1))
+
+
+def test_write_kv_strided_slot_mapping() -> None:
+    k_cache = _nan_cache(2, 1, 8, 16, torch.float32, False)
+    v_cache = _nan_cache(2, 1, 8, 16, torch.float32, False)
+    rows = torch.arange(3 * 16, dtype=torch.float32, device=DEVICE).view(3, 1, 16)
+    slots = torch.tensor([[5, 0], [-1, 0], [9, 0]], device=DEVICE)[:, 0]
+    pk.write_kv(rows, rows, k_cache, v_cache, slots, backend="triton")
+    assert torch.equal(k_cache[0, 0, 5], rows[0, 0]) and torch.equal(k_cache[1, 0, 1], rows[2, 0])
+    assert int(torch.isnan(k_cache).sum()) == 14 * 16

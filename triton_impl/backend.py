@@ -65,6 +65,7 @@ class TritonBackend(Backend):
         return self._support
 
     def paged_attention(self, problem: AttentionProblem) -> None:
+        problem = _dense_indices(problem)
         with self._runtime.device_of(problem.query):
             if problem.is_decode:
                 self._decode(problem)
@@ -74,4 +75,13 @@ class TritonBackend(Backend):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         with self._runtime.device_of(key_cache):
-            self._write_kv(key, value, key_cache, value_cache, slot_mapping)
+            self._write_kv(key, value, key_cache, value_cache, slot_mapping.contiguous())
+
+
+def _dense_indices(p: AttentionProblem) -> AttentionProblem:
+    """`p` with contiguous index tensors: the kernels index block tables, lengths, offsets and
+    slopes with unit strides (the ABI allows any strides there; copies are rare and small)."""
+    fields = ("block_tables", "seq_lens", "cu_seqlens_q", "alibi_slopes")
+    strided = {f: getattr(p, f).contiguous() for f in fields
+               if getattr(p, f) is not None and not getattr(p, f).is_contiguous()}
+    return dataclasses.replace(p, **strided) if strided else p
