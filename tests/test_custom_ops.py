@@ -89,6 +89,35 @@ def test_compiled_graph_has_no_breaks_and_both_ops() -> None:
     assert "paged_kernels.write_kv" in code and "paged_kernels.paged_attention" in code
 
 
+def test_dynamic_shapes_compile_once_for_every_batch() -> None:
+    """With dynamic shapes, batches of other sizes reuse the graph (the fake implementation
+    introduces no guard on the number of tokens, sequences or blocks)."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def count_graphs(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm  # runs the captured graph eagerly: the custom ops are called as they are
+
+    def attend(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q):
+        return custom_ops.paged_attention(q, key_cache, value_cache, block_tables, seq_lens,
+                                          cu_seqlens_q=cu_seqlens_q, sliding_window=7)
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend=count_graphs)
+    # first batch: every size distinct (13 blocks of 8 slots, 7 per table, 11 tokens, 3
+    # sequences, 6 heads over 2), so that duck sizing adds no equality guard between them
+    for seq_lens, q_lens in (([9, 20, 40], [2, 5, 4]), ([30, 4, 5, 17], [7, 1, 1, 3]),
+                             ([8, 8, 13, 2, 40], [1, 8, 2, 2, 1])):
+        case = make_case(seq_lens, q_lens, num_heads=6, num_kv_heads=2, head_size=16,
+                         block_size=8, dtype=torch.float32, seed=len(seq_lens))
+        out = compiled(case.query, case.key_cache, case.value_cache, case.block_tables,
+                       case.seq_lens, case.cu_seqlens_q)
+        ref, _ = attention_oracle(case.query, case.keys, case.values, case.q_lens,
+                                  sliding_window=7)
+        assert rel_error(out, ref) <= 1e-5
+    assert len(graphs) == 1
+
+
 @pytest.mark.parametrize("backend", pk.available_backends())
 def test_ops_eager_match_oracle_per_backend(backend: str) -> None:
     why = pk.get_backend(backend).support.unsupported(
