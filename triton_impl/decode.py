@@ -172,7 +172,7 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, lse_ptr, window, split_size,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, lse_ptr, window, split_size, max_splits,
     stride_ps, stride_ph, stride_pk, stride_qs, stride_qh, stride_qk,
     stride_os, stride_oh, stride_ls, stride_lh,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr,
@@ -182,6 +182,8 @@ def _reduce_kernel(
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_splits = tl.cdiv(seq_len - _kv_base(seq_len, window, USE_WINDOW, TILE_N), split_size)
+    # never past the buffer, even for a seq_len beyond the block table (outside the ABI)
+    num_splits = tl.minimum(num_splits, max_splits)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     m = float("-inf")
@@ -253,6 +255,6 @@ def _reduce(p: AttentionProblem, part: torch.Tensor, part_lse: torch.Tensor, spl
     lse_strides = (p.lse.stride(0), p.lse.stride(1)) if p.lse is not None else (0, 0)
     _reduce_kernel[(p.num_seqs, p.num_heads)](
         part, part_lse, p.seq_lens, p.out, p.lse, p.sliding_window or 1, split_size,
-        *part.stride()[:3], *part_lse.stride(), p.out.stride(0), p.out.stride(1), *lse_strides,
+        part.shape[2], *part.stride()[:3], *part_lse.stride(), p.out.stride(0), p.out.stride(1), *lse_strides,
         HEAD_SIZE=p.head_size, HEAD_PAD=head_pad, TILE_N=tile_n, USE_WINDOW=use_window,
         HAS_LSE=p.lse is not None, num_warps=1 if head_pad <= 64 else 2)
