@@ -122,9 +122,10 @@ class JitModule:
     def _run(self, header: str, name: str, grid: tuple[int, int, int], threads: int, smem: int,
              stream: int, packed: bytes) -> None:
         fn = self._function(header, name)
+        ptr = getattr(fn, "kernel", fn).ptr  # RawKernel.kernel is the cupy.cuda.Function
         if smem > 48 * 1024:
-            self._driver.allow_smem(fn.ptr, smem)
-        self._driver.launch(fn.ptr, grid, threads, smem, stream, packed)
+            self._driver.allow_smem(ptr, smem)
+        self._driver.launch(ptr, grid, threads, smem, stream, packed)
 
     def paged_attention(self, params: bytes, stream: int) -> None:
         """Launches the kernels the plan inside `params` names (as pk_launch.cuh would)."""

@@ -88,22 +88,20 @@ FIELDS: dict[str, tuple[tuple[str, str], ...]] = {k: _read_fields(v)
                                                   for k, v in _STRUCT_MACROS.items()}
 
 
+_STRUCTS = {name: struct.Struct("<" + "".join(_KIND_FORMAT[k] for _, k in fields))
+            for name, fields in FIELDS.items()}
+_NAMES = {name: tuple(n for n, _ in fields) for name, fields in FIELDS.items()}
+
+
 def pack(struct_name: str, values: dict[str, Any]) -> bytes:
-    """Packs `values` (every field of the struct; pointers as ints, None = 0) in field order."""
-    fields = FIELDS[struct_name]
-    missing = [n for n, _ in fields if n not in values]
-    extra = sorted(set(values) - {n for n, _ in fields})
-    assert not missing and not extra, f"{struct_name}: missing {missing}, unknown {extra}"
-    fmt = "<" + "".join(_KIND_FORMAT[k] for _, k in fields)
-    return struct.pack(fmt, *[(values[n] or 0) if k != "f" else float(values[n] or 0.0)
-                              for n, k in fields])
+    """Packs `values` (every field of the struct, by name; pointers as ints, 0 for none) in
+    field order. A missing field raises KeyError."""
+    return _STRUCTS[struct_name].pack(*[values[n] for n in _NAMES[struct_name]])
 
 
 def unpack(struct_name: str, packed: bytes) -> dict[str, Any]:
     """The inverse of `pack` (used by the JIT launcher)."""
-    fields = FIELDS[struct_name]
-    fmt = "<" + "".join(_KIND_FORMAT[k] for _, k in fields)
-    return dict(zip((n for n, _ in fields), struct.unpack(fmt, packed)))
+    return dict(zip(_NAMES[struct_name], _STRUCTS[struct_name].unpack(packed)))
 
 
 def check_layout(ext: Any) -> None:
@@ -166,14 +164,29 @@ def _pow2_at_least(n: int, choices: Sequence[int]) -> int:
 
 
 def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
-    """The launch plan for `p` on a device with `num_sms` multiprocessors."""
+    """The launch plan for `p` on a device with `num_sms` multiprocessors (memoised on the
+    shapes it depends on: planning runs once per step shape, not once per layer)."""
+    key = (p.is_decode, p.num_queries_per_kv, p.query.dtype, p.head_size, p.num_seqs,
+           p.num_kv_heads, p.num_heads, p.num_tokens, p.block_tables.shape[1], p.block_size,
+           p.sliding_window, num_sms, os.environ.get(PARTITION_ENV))
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) > 4096:
+            _plans.clear()
+        plan = _plans[key] = _plan(p, num_sms)
+    return plan
+
+
+_plans: dict[tuple, "AttentionPlan"] = {}
+
+
+def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     group = p.num_queries_per_kv
     if p.is_decode:
         tile = _pow2_at_least(min(group, GROUP_TILES[-1]), GROUP_TILES)
         chunks = math.ceil(group / tile)
         size, splits = _decode_partition(p, p.num_seqs * p.num_kv_heads * chunks, num_sms)
-        smem = 4 * (max(size * tile, DECODE_WARPS * tile * p.head_size)
-                    + size // p.block_size + 2)
+        smem = 4 * (DECODE_WARPS * tile * (p.head_size + 2) + size // p.block_size + 2)
         return AttentionPlan(KERNEL_DECODE, tile, tile, chunks, 1, splits, size,
                              (p.num_kv_heads * chunks, p.num_seqs, splits), smem,
                              (p.num_heads, p.num_seqs))
@@ -209,9 +222,13 @@ def kernel_names(plan: AttentionPlan, dtype: torch.dtype, head_size: int) -> lis
 # Alignment: every row the kernels load with 16-byte vectors must start 16-byte aligned.
 
 def _rows_aligned(t: torch.Tensor, row_dims: Sequence[int]) -> bool:
-    es = t.element_size()
-    return t.data_ptr() % 16 == 0 and all((t.stride(d) * es) % 16 == 0 for d in row_dims
-                                          if t.shape[d] > 1)
+    if t.data_ptr() % 16:
+        return False
+    es, strides, shape = t.element_size(), t.stride(), t.shape
+    for d in row_dims:
+        if shape[d] > 1 and (strides[d] * es) % 16:
+            return False
+    return True
 
 
 _warned_copy = False
@@ -237,16 +254,17 @@ def _attn_values(p: AttentionProblem, plan: AttentionPlan, q: torch.Tensor, k: t
         return 0 if t is None else t.data_ptr()
 
     part_out, part_m, part_l = part if part is not None else (None, None, None)
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     return dict(
-        q=ptr(q), k_cache=ptr(k), v_cache=ptr(v), block_tables=ptr(p.block_tables),
-        seq_lens=ptr(p.seq_lens), cu_seqlens_q=ptr(p.cu_seqlens_q),
-        alibi_slopes=ptr(p.alibi_slopes), out=ptr(out), lse=ptr(p.lse), part_out=ptr(part_out),
-        part_m=ptr(part_m), part_l=ptr(part_l),
-        q_stride_token=q.stride(0), q_stride_head=q.stride(1),
-        k_stride_block=k.stride(0), k_stride_head=k.stride(1), k_stride_slot=k.stride(2),
-        v_stride_block=v.stride(0), v_stride_head=v.stride(1), v_stride_slot=v.stride(2),
-        o_stride_token=out.stride(0), o_stride_head=out.stride(1),
-        bt_stride=p.block_tables.stride(0),
+        q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(),
+        block_tables=p.block_tables.data_ptr(), seq_lens=p.seq_lens.data_ptr(),
+        cu_seqlens_q=ptr(p.cu_seqlens_q), alibi_slopes=ptr(p.alibi_slopes),
+        out=out.data_ptr(), lse=ptr(p.lse), part_out=ptr(part_out), part_m=ptr(part_m),
+        part_l=ptr(part_l),
+        q_stride_token=qs[0], q_stride_head=qs[1],
+        k_stride_block=ks[0], k_stride_head=ks[1], k_stride_slot=ks[2],
+        v_stride_block=vs[0], v_stride_head=vs[1], v_stride_slot=vs[2],
+        o_stride_token=os_[0], o_stride_head=os_[1], bt_stride=p.block_tables.stride(0),
         num_seqs=p.num_seqs, num_tokens=p.num_tokens, num_heads=p.num_heads,
         num_kv_heads=p.num_kv_heads, head_size=p.head_size, block_size=p.block_size,
         group=p.num_queries_per_kv, heads_per_cta=plan.heads_per_cta,
@@ -256,7 +274,7 @@ def _attn_values(p: AttentionProblem, plan: AttentionPlan, q: torch.Tensor, k: t
         q_tile_tokens=plan.q_tile_tokens, grid_x=plan.grid[0], grid_y=plan.grid[1],
         grid_z=plan.grid[2], threads=THREADS, smem_bytes=plan.smem_bytes,
         reduce_grid_x=plan.reduce_grid[0], reduce_grid_y=plan.reduce_grid[1],
-        reduce_threads=THREADS, scale=p.scale, soft_cap=p.soft_cap or 0.0,
+        reduce_threads=THREADS, scale=p.scale, soft_cap=float(p.soft_cap or 0.0),
     )
 
 
