@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
+from oracle import attention_oracle, rel_error
+from paged_case import PagedCase, make_case
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import paged_kernels as pk
-from oracle import attention_oracle, rel_error
-from paged_case import PagedCase, make_case
 from paged_kernels import custom_ops
 
 SEQ_LENS, Q_LENS = [19, 40, 1, 9], [19, 6, 1, 1]  # prefill, chunked prefill, two decodes
@@ -173,6 +173,9 @@ def test_fake_raises_the_abi_errors_at_trace_time() -> None:
         lens = torch.empty(3, dtype=torch.int32)
         with pytest.raises(ValueError, match="key_cache: expected num_kv_heads dividing"):
             custom_ops.paged_attention(query, cache, cache, tables, lens)
+        with pytest.raises(ValueError, match="slot_mapping: expected shape \\[3\\]"):
+            custom_ops.write_kv(query[:, :2], query[:, :2], cache[:, :2], cache[:, :2],
+                                torch.empty(4, dtype=torch.int64))
         with pytest.raises(ValueError, match="lse: expected a float32"):
             torch.ops.paged_kernels.paged_attention(
                 query, cache[:, :2], cache[:, :2], tables, lens, None, torch.empty_like(query),

@@ -8,10 +8,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import conformance
 import pytest
 import torch
 
-import conformance
 import paged_kernels as pk
 from paged_kernels.abi import FEATURES, Support
 

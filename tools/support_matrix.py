@@ -208,7 +208,8 @@ def _backend_section(d: Declaration, fast: Sequence[conformance.Config],
         ("block sizes", _sizes(s.block_sizes, s.max_block_size)),
         *((f"feature `{f}`", _yes(f in s.features)) for f in FEATURES),
     ])
-    lines += ["", "Conformance axes (~~struck~~: declared unsupported, skipped with the reason):", ""]
+    lines += ["", "Conformance axes (~~struck~~: declared unsupported, skipped with the reason):",
+              ""]
     lines += [f"- {axis}: {values}" for axis, values in _axis_support(s)]
     lines += ["", "Reasons for the limits:", ""]
     lines += [f"- `{key}`: {text}" for key, text in s.reasons] or ["- (none declared)"]
@@ -239,7 +240,8 @@ def _where(decls: Sequence[Declaration]) -> list[str]:
     return _table(("backend", "device types", "factory", "notes"), rows)
 
 
-def _axes(fast: Sequence[conformance.Config], exhaustive: Sequence[conformance.Config]) -> list[str]:
+def _axes(fast: Sequence[conformance.Config],
+          exhaustive: Sequence[conformance.Config]) -> list[str]:
     feature_sets = ", ".join("+".join(f) or "plain" for f in conformance.FEATURE_SETS)
     return [
         f"- dtypes: {', '.join(_dtype(d) for d in conformance.DTYPES)}",
