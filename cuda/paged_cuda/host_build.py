@@ -15,7 +15,9 @@ thread-local buffer of the largest dynamic shared memory a block may have (see
 cuda/host/pk_host_sched.h), in a generated `pk_host_dynsmem.cpp`.
 
 Set `PK_HOST_INSTANTIATIONS` to pass `-DPK_HOST_INSTANTIATIONS=<value>` to the compiler (a
-reduced template set, when the launchers honour it).
+reduced template set: the launchers then compile head sizes 64 and 128 only), and
+`PK_HOST_CXXFLAGS` to add compiler flags (e.g. `-g -O0` to debug a kernel, or
+`-DPK_HOST_USE_UCONTEXT` for the portable fiber switch); both are part of the cache key.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def _flags(include_dirs: Sequence[Path], defines: Sequence[str]) -> list[str]:
     inst = os.environ.get("PK_HOST_INSTANTIATIONS")
     if inst:
         flags.append(f"-DPK_HOST_INSTANTIATIONS={inst}")
+    flags += os.environ.get("PK_HOST_CXXFLAGS", "").split()
     flags += [f"-I{d}" for d in include_dirs]
     flags += [f"-I{_pybind11_include()}", f"-I{sysconfig.get_paths()['include']}"]
     return flags
