@@ -349,3 +349,27 @@ def test_faulty_kernels_are_reported(st, which, message):
     sums = torch.zeros(2)
     st.block_sum(x.data_ptr(), sums.data_ptr(), 2, 100, 64)
     torch.testing.assert_close(sums, x.sum(1), rtol=1e-5, atol=1e-5)
+
+
+# ---- the host build ----
+
+@host_only
+def test_missing_compiler_makes_the_backend_unavailable(monkeypatch, tmp_path):
+    from cuda.paged_cuda import host_backend
+    from paged_kernels.backends import BackendUnavailable
+
+    monkeypatch.setenv("CXX", "no-such-compiler-pk")
+    monkeypatch.setenv("PAGED_KERNELS_CACHE", str(tmp_path))
+    with pytest.raises(BackendUnavailable, match=r"no C\+\+ compiler.*no-such-compiler-pk"):
+        host_backend.CudaHostBackend()
+
+
+@host_only
+def test_compile_errors_carry_the_compilers_message(monkeypatch, tmp_path):
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    monkeypatch.setenv("PAGED_KERNELS_CACHE", str(tmp_path))
+    bad = tmp_path / "bad.cu"
+    bad.write_text('#include "pk_host_emul.h"\n__global__ void k() { not_declared_here(); }\n')
+    with pytest.raises(host_build.HostBuildError, match="not_declared_here"):
+        host_build.build_module("_pk_bad", [bad])
