@@ -1,13 +1,19 @@
 """Kernel benchmarks from a plain command: decode, prefill, mixed batches and write_kv per backend,
 with bytes moved, GB/s, TFLOP/s and their fractions of the copy bandwidth and matmul rate measured
 in the same run (bench/ceilings.py). Prints a table; with `--out DIR` writes `kernels.json` and
-`gbps_vs_context.png` (GB/s of decode against context length, one line per backend).
+`gbps_vs_context.png` (GB/s of decode against context length, one line per backend, one panel per
+batch size).
 
     python -m bench.kernels [--device cuda|cpu] [--backends triton,cuda] [--quick] [--out DIR]
 
-The functions are reusable (bench/gpu_check, bench/test_bench_kernels.py): `shapes()` lists the
-shapes, `prepare()` builds one backend's callable with its bytes and flops, `measure()` times it and
+The functions are reusable (bench/test_bench_kernels.py uses them): `shapes()` lists the shapes,
+`prepare()` builds one backend's callable with its bytes and flops, `measure()` times it and
 returns one result dict, `run()` does a whole sweep.
+
+On a GPU each point is timed twice: eager calls (host-side checks and launches included, what a
+Python caller pays) and, unless `--no-cuda-graph`, replays of the same calls captured in one CUDA
+graph (the kernels alone; `graph_seconds`, `graph_GB/s`); a backend that cannot be captured
+records `graph_error`.
 
 Default backends: on a GPU those that outrank the reference (priority > 0); on the CPU the
 reference only, since the other CPU backends are interpreters or emulations (Triton's interpreter,
@@ -201,14 +207,45 @@ def metrics(prepared: Prepared, seconds: float, ceilings: Optional[dict] = None)
     return result
 
 
+def graph_seconds(prepared: Prepared, repeat: int = 10) -> float:
+    """Median seconds per call of `prepared.run`, replayed from one CUDA graph that captures one
+    call per problem copy (warm-up calls run first, outside the capture, on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(prepared.copies):
+            prepared.run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(prepared.copies):
+            prepared.run()
+    return median_seconds(graph.replay, "cuda", repeat=repeat) / prepared.copies
+
+
+def graph_metrics(prepared: Prepared, repeat: int, ceilings: Optional[dict]) -> dict:
+    """`metrics()` of CUDA-graph replays, keys prefixed `graph_`, or `graph_error`."""
+    try:
+        seconds = graph_seconds(prepared, repeat)
+    except Exception as exc:  # noqa: BLE001 - e.g. a backend that synchronises cannot be captured
+        torch.cuda.synchronize()
+        return {"graph_error": f"{type(exc).__name__}: {exc}"[:300]}
+    graph = metrics(prepared, seconds, ceilings)
+    return {f"graph_{k}": graph[k] for k in ("seconds", "GB/s", "TFLOP/s", "frac_copy_bw",
+                                             "frac_matmul") if k in graph}
+
+
 def measure(backend: str, shape: Shape, dtype: torch.dtype, device: str,
-            ceilings: Optional[dict] = None, repeat: int = 10) -> dict:
+            ceilings: Optional[dict] = None, repeat: int = 10, cuda_graph: bool = True) -> dict:
     """Times `backend` on `shape` (median of `repeat` after warm-up) and returns one result:
-    the shape's fields, the backend, `metrics()` and, for decode/prefill, `rel_err_vs_sdpa`."""
+    the shape's fields, the backend, `metrics()`, on a GPU with `cuda_graph` the `graph_*`
+    metrics of CUDA-graph replays, and for decode/prefill `rel_err_vs_sdpa`."""
     prepared = prepare(backend, shape, dtype, device)
     seconds = median_seconds(prepared.run, device, repeat=repeat)
     result = {"backend": backend, **asdict(shape), "dtype": str(dtype).replace("torch.", ""),
               **metrics(prepared, seconds, ceilings)}
+    if device == "cuda" and cuda_graph:
+        result.update(graph_metrics(prepared, repeat, ceilings))
     if prepared.check is not None:
         result["rel_err_vs_sdpa"] = prepared.check()
     return result
@@ -224,7 +261,7 @@ def default_backends(device: str) -> list[str]:
 
 
 def run(backends: Sequence[str], device: str, dtype: torch.dtype, quick: bool = False,
-        sdpa: bool = True, repeat: int = 10,
+        sdpa: bool = True, repeat: int = 10, cuda_graph: bool = True,
         on_result: Optional[Callable[[dict], None]] = None) -> dict:
     """Ceilings, then every shape for every backend (and torch SDPA on decode/prefill when
     `sdpa`). A point that raises (a backend that does not support the shape raises
@@ -237,7 +274,7 @@ def run(backends: Sequence[str], device: str, dtype: torch.dtype, quick: bool = 
             names.append(SDPA)
         for name in names:
             try:
-                result = measure(name, shape, dtype, device, ceilings, repeat)
+                result = measure(name, shape, dtype, device, ceilings, repeat, cuda_graph)
             except Exception as exc:  # noqa: BLE001 - one failing point must not end a sweep
                 result = {"backend": name, **asdict(shape),
                           "error": f"{type(exc).__name__}: {exc}"}
@@ -251,8 +288,6 @@ def run(backends: Sequence[str], device: str, dtype: torch.dtype, quick: bool = 
 
 # --- output -------------------------------------------------------------------------------------
 
-
-
 def format_row(r: dict) -> str:
     """One table line for a result of `measure()` (or an error)."""
     head = (f"{r['backend']:<11} {r['kind']:<8} {r['batch']:>5} {r['context']:>7} "
@@ -261,17 +296,26 @@ def format_row(r: dict) -> str:
         return head + f"  failed: {r['error'][:200]}"
     pct = lambda key: f"{100 * r[key]:6.1f}" if key in r else "     -"  # noqa: E731
     err = f"{r['rel_err_vs_sdpa']:9.1e}" if "rel_err_vs_sdpa" in r else "        -"
-    return head + (f"{r['seconds'] * 1e6:>10.1f} {r['GB/s']:>8.1f} {pct('frac_copy_bw')} "
+    line = head + (f"{r['seconds'] * 1e6:>10.1f} {r['GB/s']:>8.1f} {pct('frac_copy_bw')} "
                    f"{r['TFLOP/s']:>8.2f} {pct('frac_matmul')} {err}")
+    if "graph_seconds" in r:
+        line += (f" {r['graph_seconds'] * 1e6:>9.1f} {r['graph_GB/s']:>8.1f} "
+                 f"{pct('graph_frac_copy_bw')} {pct('graph_frac_matmul')}")
+    elif "graph_error" in r:
+        line += f"  graph: {r['graph_error'][:60]}"
+    return line
 
 
-def table_header() -> str:
-    return ("backend     kind     batch context q_len         us     GB/s  %copy  TFLOP/s "
+def table_header(cuda_graph: bool = False) -> str:
+    """Column names of `format_row` (eager time; with `cuda_graph`, graph-replay columns)."""
+    head = ("backend     kind     batch context q_len         us     GB/s  %copy  TFLOP/s "
             "%matmul  err/sdpa")
+    return head + ("  graph us  graph GB/s %copy %matmul" if cuda_graph else "")
 
 
 def plot(report: dict, path: Path) -> None:
-    """GB/s of decode against context length: one line per backend, one panel per batch."""
+    """GB/s of decode against context length: one line per backend, one panel per batch; on a
+    GPU from CUDA-graph replays where the backend could be captured, else from eager calls."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -282,9 +326,13 @@ def plot(report: dict, path: Path) -> None:
                              squeeze=False)
     for ax, batch in zip(axes[0], batches):
         for backend in sorted({r["backend"] for r in decode}):
-            points = sorted((r["context"], r["GB/s"]) for r in decode
-                            if r["batch"] == batch and r["backend"] == backend)
-            ax.plot([c for c, _ in points], [g for _, g in points], marker="o", label=backend)
+            rows = [r for r in decode if r["batch"] == batch and r["backend"] == backend]
+            graphed = all("graph_GB/s" in r for r in rows)
+            key = "graph_GB/s" if graphed else "GB/s"
+            points = sorted((r["context"], r[key]) for r in rows)
+            label = backend + (" (graph)" if graphed else " (eager)" if report["device"] != "cpu"
+                               else "")
+            ax.plot([c for c, _ in points], [g for _, g in points], marker="o", label=label)
         ax.axhline(report["ceilings"]["copy_GBps"], color="gray", linestyle="--",
                    label="copy bandwidth")
         contexts = sorted({r["context"] for r in decode if r["batch"] == batch})
@@ -325,6 +373,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-sdpa", action="store_true",
                         help="skip torch SDPA on contiguous K/V")
     parser.add_argument("--repeat", type=int, default=10, help="timed runs per point")
+    parser.add_argument("--no-cuda-graph", action="store_true",
+                        help="on a GPU, time eager calls only (no CUDA-graph replays)")
     parser.add_argument("--out", type=Path, default=None, help="folder for JSON and the plot")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not torch.cuda.is_available():
@@ -332,9 +382,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     names = args.backends.split(",") if args.backends else default_backends(args.device)
     print(f"backends: {', '.join(names)}; device {args.device}; {dtype}", flush=True)
-    print(table_header(), flush=True)
+    cuda_graph = args.device == "cuda" and not args.no_cuda_graph
+    print(table_header(cuda_graph), flush=True)
     report = run(names, args.device, dtype, quick=args.quick, sdpa=not args.no_sdpa,
-                 repeat=args.repeat, on_result=lambda r: print(format_row(r), flush=True))
+                 repeat=args.repeat, cuda_graph=cuda_graph,
+                 on_result=lambda r: print(format_row(r), flush=True))
     c = report["ceilings"]
     print(f"ceilings: copy {c['copy_GBps']:.1f} GB/s, {c['matmul_dtype']} matmul "
           f"{c['matmul_TFLOPs']:.2f} TFLOP/s")

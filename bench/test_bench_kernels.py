@@ -2,7 +2,8 @@
 default here (bench.kernels.default_backends), plus torch SDPA on contiguous K/V for decode and
 prefill. Each benchmark's `extra_info` records bytes moved, GB/s, TFLOP/s and their fractions of
 the copy bandwidth and matmul rate measured once in the same run (bench/ceilings.py), so runs on
-different machines compare.
+different machines compare. On a GPU the timed call is eager (what a Python caller pays);
+`extra_info` also holds `graph_*` metrics of the same calls replayed from a CUDA graph.
 
     python -m pytest bench/test_bench_kernels.py --benchmark-columns=median,ops
     PAGED_KERNELS_BENCH_BACKENDS=reference,triton python -m pytest bench/test_bench_kernels.py
@@ -22,7 +23,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
 from bench.ceilings import measure_ceilings  # noqa: E402
-from bench.kernels import SDPA, default_backends, metrics, prepare, shapes  # noqa: E402
+from bench.kernels import (  # noqa: E402
+    SDPA,
+    default_backends,
+    graph_metrics,
+    metrics,
+    prepare,
+    shapes,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -66,4 +74,6 @@ def test_kernel(benchmark, ceilings: dict, backend: str, shape) -> None:
     benchmark.pedantic(run, rounds=20 if DEVICE == "cuda" else 5, warmup_rounds=2, iterations=1)
     benchmark.extra_info.update({"backend": backend, "shape": shape.id, "dtype": str(DTYPE)})
     benchmark.extra_info.update(metrics(prepared, benchmark.stats.stats.median, ceilings))
+    if DEVICE == "cuda":  # the kernels alone, without host-side checks and launch overhead
+        benchmark.extra_info.update(graph_metrics(prepared, 10, ceilings))
     benchmark.extra_info.update({f"ceiling_{k}": v for k, v in ceilings.items()})
