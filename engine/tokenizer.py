@@ -111,20 +111,32 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
-        """Builds the tokenizer a GGUF describes. Only byte-level BPE vocabularies
-        (`tokenizer.ggml.model == "gpt2"`) are supported; others raise ValueError."""
+        """Builds the tokenizer a GGUF describes: `tokenizer.ggml.model` "gpt2" (byte-level BPE;
+        no BOS added, as transformers does) or "llama" (SentencePiece-style BPE with byte
+        fallback; BOS added unless `tokenizer.ggml.add_bos_token` is false). Others raise
+        ValueError."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"tokenizer.ggml.model: expected 'gpt2' (byte-level BPE), got "
-                             f"{kind!r}")
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
         types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        backend = _byte_level_bpe(tokens, list(meta.get("tokenizer.ggml.merges") or []),
-                                  meta.get("tokenizer.ggml.pre"))
-        alphabet = set(_byte_alphabet().values())
-        control = [t for t, k in zip(tokens, types) if k == _GGUF_CONTROL and set(t) <= alphabet]
+        merges = list(meta.get("tokenizer.ggml.merges") or [])
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, merges, meta.get("tokenizer.ggml.pre"))
+            alphabet = set(_byte_alphabet().values())
+            special = [t for t, k in zip(tokens, types)
+                       if k == _GGUF_CONTROL and set(t) <= alphabet]
+            add_bos = False
+        elif kind == "llama":
+            scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+            unk = meta.get("tokenizer.ggml.unknown_token_id")
+            backend = _sentencepiece_bpe(tokens, merges, scores,
+                                         tokens[unk] if unk is not None else None)
+            special = [t for t, k in zip(tokens, types) if k == _GGUF_CONTROL]
+            add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+        else:
+            raise ValueError(f"tokenizer.ggml.model: expected 'gpt2' (byte-level BPE) or "
+                             f"'llama' (SentencePiece BPE), got {kind!r}")
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t in control])
+                                    for t in special])
         user = [t for t, k in zip(tokens, types) if k == _GGUF_USER_DEFINED]
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
@@ -134,7 +146,7 @@ class Tokenizer:
 
         eos = [token("eos_token_id"), token("eot_token_id"), token("eom_token_id")]
         return cls(backend, bos_token=token("bos_token_id"), eos_tokens=eos,
-                   chat_template=meta.get("tokenizer.chat_template"), add_bos=False)
+                   chat_template=meta.get("tokenizer.chat_template"), add_bos=add_bos)
 
     @classmethod
     def from_hf_dir(cls, path: str, extra_eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
@@ -172,6 +184,40 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: Optional[str]) ->
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _sentencepiece_bpe(tokens: list[str], merges: list[str], scores: list[float],
+                       unk: Optional[str]) -> _BackendTokenizer:
+    """A SentencePiece-style BPE tokenizer: spaces become "▁", one is prepended to the text,
+    bytes missing from the vocabulary fall back to "<0xXX>" tokens. Without merges in the file
+    they are derived from the vocabulary, best-scored merged token first."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        pairs = _merges_from_scores(tokens, scores)
+    backend = _BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk,
+                                           fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁",
+                                                     prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "),
+                                         decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1)])
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, ordered by the merged token's score (highest
+    first), then longer left and right parts first, then vocabulary order."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for token, score in zip(tokens, scores):
+        splits = [(token[:cut], token[cut:]) for cut in range(1, len(token))]
+        splits = sorted((lr for lr in splits if lr[0] in vocab and lr[1] in vocab),
+                        key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        found += [(score, left, right) for left, right in splits]
+    found.sort(key=lambda f: (-f[0], -len(f[1]), -len(f[2])))  # stable: ties keep the order
+    return [(left, right) for _, left, right in found]
 
 
 def _read_json(path: str) -> dict[str, Any]:

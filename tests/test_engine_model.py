@@ -84,12 +84,12 @@ class PagedSequences:
                 meta)
 
 
-def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([ids])).logits[0].float()
 
 
-def _assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
     scale = want.abs().max()
     err = (got - want).abs().max()
     assert err <= 1e-4 * scale, f"max |diff| {err:.3g} vs max |logit| {scale:.3g}"
@@ -123,10 +123,10 @@ def test_paged_prefill_and_decode_match_transformers(ours, hf_model):
         run(nexts)
 
     for s, t in enumerate(tokens):
-        want = _hf_logits(hf_model, t)
+        want = hf_logits(hf_model, t)
         mine = torch.cat(got[s])
         assert mine.shape == (len(t), ours.config.vocab_size) == want.shape
-        _assert_logits_close(mine, want)
+        assert_logits_close(mine, want)
         assert torch.equal(mine.argmax(-1), want.argmax(-1))  # greedy tokens identical
 
 
@@ -219,10 +219,10 @@ def test_tiny_hf_directory_matches_transformers(tiny_dir, dtype):
     step = loaded.model.compute_logits(loaded.model(ids, pos, seqs.kv_caches, meta))
     rows = logits.split([len(p) for p in prompts])
     for s, (p, nxt) in enumerate(zip(prompts, [5, 7])):
-        want = _hf_logits(hf, p + [nxt])
+        want = hf_logits(hf, p + [nxt])
         mine = torch.cat([rows[s], step[s:s + 1]])
         if dtype == torch.float32:
-            _assert_logits_close(mine, want)
+            assert_logits_close(mine, want)
         else:  # bfloat16 keeps about 3 significant digits through two layers
             assert (mine - want).abs().max() <= 0.05 * want.abs().max()
 

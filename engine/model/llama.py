@@ -69,11 +69,16 @@ class LlamaConfig:
     @property
     def eos_token_ids(self) -> list[int]:
         """`eos_token_id` as a list (empty when unset)."""
-        if self.eos_token_id is None:
+        return self.eos_ids_of(self.eos_token_id)
+
+    @staticmethod
+    def eos_ids_of(value: Union[int, list[int], None]) -> list[int]:
+        """An `eos_token_id` setting (None, one id or a list) as a list."""
+        if value is None:
             return []
-        if isinstance(self.eos_token_id, int):
-            return [self.eos_token_id]
-        return list(self.eos_token_id)
+        if isinstance(value, int):
+            return [value]
+        return list(value)
 
 
 def _rotary_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:

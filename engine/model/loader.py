@@ -88,7 +88,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: Union[str, torch.device]) 
     config = gguf_config(meta, {t.name for t in reader.tensors})
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     model = _build(config, gguf_tensors(reader, config), dtype, device)
-    name = meta.get("general.name") or os.path.basename(path)
+    name = os.path.basename(path)[:-len(".gguf")]
     return LoadedModel(model, config, tokenizer, str(name), path)
 
 
@@ -99,9 +99,11 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: Union[str, torch.device]
     if not files:
         raise FileNotFoundError(f"model: expected *.safetensors weight files in {path}, found "
                                 "none")
-    tokenizer = Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids)
+    generation = _read_json_if_present(os.path.join(path, "generation_config.json"))
+    extra_eos = LlamaConfig.eos_ids_of(generation.get("eos_token_id"))
+    tokenizer = Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids + extra_eos)
     model = _build(config, _safetensors_weights(files), dtype, device)
-    name = raw.get("_name_or_path") or os.path.basename(os.path.normpath(path))
+    name = os.path.basename(os.path.normpath(path))
     return LoadedModel(model, config, tokenizer, str(name), path)
 
 
@@ -109,6 +111,12 @@ def _read_config(path: str) -> dict[str, Any]:
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"model: expected {file} in the Hugging Face model directory")
+    return _read_json_if_present(file)
+
+
+def _read_json_if_present(file: str) -> dict[str, Any]:
+    if not os.path.isfile(file):
+        return {}
     try:
         with open(file, encoding="utf-8") as f:
             return json.load(f)
