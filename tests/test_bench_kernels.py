@@ -1,0 +1,70 @@
+"""The benchmark code (bench/kernels.py, bench/ceilings.py) at tiny sizes on the CPU, so that it is
+never found broken on the day a GPU is lent: what it counts (bytes, flops) against direct
+counts, its check against SDPA, errors recorded without ending a sweep, and its outputs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` lives at the repo root
+
+from bench import ceilings, kernels  # noqa: E402
+
+TINY = dict(num_heads=4, num_kv_heads=2, head_size=16, block_size=4)
+
+
+def test_ceilings_are_positive_rates() -> None:
+    copy = ceilings.copy_bandwidth("cpu", nbytes=1 << 20, repeat=2)
+    mm = ceilings.matmul_rate("cpu", torch.float32, n=64, repeat=2)
+    assert copy["copy_bytes"] == 2 << 20 and copy["copy_GBps"] > 0
+    assert mm["matmul_n"] == 64 and mm["matmul_TFLOPs"] > 0
+
+
+@pytest.mark.parametrize("kind,batch,context,q_len", [
+    ("decode", 3, 10, 1), ("prefill", 2, 9, 9), ("prefill", 2, 12, 5), ("mixed", 9, 12, 4),
+])
+def test_attention_counts_and_check(kind: str, batch: int, context: int, q_len: int) -> None:
+    shape = kernels.Shape(kind, batch, context, q_len, **TINY)
+    result = kernels.measure("reference", shape, torch.float32, "cpu", repeat=1)
+    q_lens = [1] * batch if kind == "decode" else [q_len] * batch
+    if kind == "mixed":  # one sequence in eight prefills (at least one), the rest decode
+        q_lens = [q_len] * max(1, batch // 8) + [1] * (batch - max(1, batch // 8))
+    tokens = sum(q_lens)
+    kv_bytes = 2 * batch * context * TINY["num_kv_heads"] * TINY["head_size"] * 4
+    assert result["bytes_moved"] == kv_bytes + 2 * tokens * TINY["num_heads"] * 16 * 4
+    keys_seen = sum(context - q + i + 1 for q in q_lens for i in range(q))
+    assert result["flops"] == 4 * keys_seen * TINY["num_heads"] * TINY["head_size"]
+    assert result["GB/s"] == pytest.approx(result["bytes_moved"] / result["seconds"] / 1e9)
+    if kind != "mixed":  # SDPA takes one q_len per batch
+        assert result["rel_err_vs_sdpa"] < 1e-5
+
+
+def test_write_kv_writes_the_rows_it_counts() -> None:
+    shape = kernels.Shape("write_kv", 3, 8, 2, **TINY)
+    prepared = kernels.prepare("reference", shape, torch.float32, "cpu")
+    row_bytes = TINY["num_kv_heads"] * TINY["head_size"] * 4
+    assert prepared.bytes_moved == 2 * 2 * 6 * row_bytes + 8 * 6
+    prepared.run()
+
+
+def test_sweep_records_failures_and_writes_outputs(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(kernels, "shapes", lambda device, quick: [
+        kernels.Shape("decode", 2, 8, **TINY), kernels.Shape("mixed", 8, 8, 3, **TINY)])
+    monkeypatch.setattr(kernels, "measure_ceilings", lambda device, dtype: {
+        "copy_GBps": 1.0, "matmul_TFLOPs": 1.0, "matmul_dtype": "float32"})
+    report = kernels.run(["reference", "no-such-backend"], "cpu", torch.float32, repeat=1)
+    rows = {(r["backend"], r["kind"]): r for r in report["results"]}
+    assert set(rows) == {("reference", "decode"), ("reference", "mixed"),
+                         ("no-such-backend", "decode"), ("no-such-backend", "mixed"),
+                         (kernels.SDPA, "decode")}
+    assert rows[("no-such-backend", "decode")]["error"].startswith("ValueError: backend")
+    assert rows[("reference", "decode")]["frac_copy_bw"] == rows[("reference", "decode")]["GB/s"]
+    assert "failed: ValueError" in kernels.format_row(rows[("no-such-backend", "mixed")])
+    paths = kernels.write_outputs(report, tmp_path)
+    assert json.loads((tmp_path / "kernels.json").read_text())["results"] == report["results"]
+    assert all(p.stat().st_size > 0 for p in paths)
