@@ -21,7 +21,7 @@ Preemption by swap moves a sequence's blocks to a separate host pool (`swap_out`
 
 from __future__ import annotations
 
-from collections import OrderedDict, Counter
+from collections import Counter, OrderedDict
 from typing import Iterable, Optional, Sequence
 
 BlockCopy = tuple[int, int]

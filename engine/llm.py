@@ -74,8 +74,15 @@ class LLM:
         """
         items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._params_per_prompt(sampling_params, len(items))
-        ids = [self._add(self._encode(p), p, sp) for p, sp in zip(items, params)]
-        finished = self._run(len(ids), use_tqdm)
+        ids: list[str] = []
+        try:
+            for p, sp in zip(items, params):
+                ids.append(self._add(self._encode(p), p, sp))
+            finished = self._run(len(ids), use_tqdm)
+        except BaseException:
+            for request_id in ids:  # leave the engine clean (e.g. after Ctrl-C)
+                self.llm_engine.abort_request(request_id)
+            raise
         return [finished[i] for i in ids]
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Optional, Sequence as Seq, Union
+from typing import Optional, Union
+from typing import Sequence as Seq
 
 import torch
 
@@ -85,11 +86,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: Optional[float] = None, prompt: Optional[str] = None) -> None:
         """Queues a request. ValueError for a duplicate id, an empty or out-of-vocabulary prompt,
-        a prompt that leaves no room under `max_model_len`, or one that could never fit in the
-        KV pool."""
+        a prompt that leaves no room under `max_model_len`, `n > max_num_seqs`, or a request that
+        could never fit in the KV pool."""
         if request_id in self._groups:
             raise ValueError(f"request_id: expected an id not in use, got {request_id!r}")
         ids = self._check_prompt(prompt_token_ids)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n: expected at most max_num_seqs={self.config.max_num_seqs} "
+                             f"sequences per request, got {params.n}")
         self._check_fits(len(ids), params.max_tokens, params.n)
         group = SequenceGroup(request_id, ids, params,
                               time.monotonic() if arrival_time is None else arrival_time,
@@ -146,6 +150,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns outputs of the requests that produced tokens."""
         out = self.scheduler.schedule()
+        if out.is_empty and not out.preempted and self.scheduler.has_unfinished():
+            sched = self.scheduler
+            raise RuntimeError(f"the scheduler can make no progress: {len(sched.waiting)} "
+                               f"waiting, {len(sched.running)} running, "
+                               f"{self.block_manager.num_free_blocks} free KV blocks")
         tables = [self.block_manager.block_table(s.seq_id) for s, _ in out.scheduled]
         sampled, logits = self.runner.execute(out, tables)
         for seq, n in out.scheduled:

@@ -10,7 +10,6 @@ CPU time is scarce: one model of each kind per module, short prompts, few tokens
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -23,6 +22,16 @@ MAX_TOKENS = 6
 TEXTS = ["The capital of France is",
          "Once upon a time, in a land far away, there lived a kind old man who",
          "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on this shared 2-core machine two OpenMP threads spin-wait each other
+    several times slower whenever other processes are busy; restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +177,13 @@ def hf_beam_search(hf, ids: list[int], width: int, max_tokens: int, eos: set[int
     for _ in range(max_tokens):
         if not beams:
             break
+        with torch.no_grad():  # every beam has the same length: one batch, no padding
+            logits = hf(torch.tensor([ids + tokens for tokens, _ in beams])).logits[:, -1]
+        logp = torch.log_softmax(logits.double(), dim=-1)
         cands = []
-        for tokens, cum in beams:
-            lp = hf_logprobs(hf, ids + tokens)[-1]
-            cands += [(cum + float(lp[t]), tokens, t) for t in range(lp.shape[0])]
+        for (tokens, cum), row in zip(beams, logp):
+            values, top = torch.topk(row, 2 * width)  # the global best 2w are among these
+            cands += [(cum + v, tokens, t) for v, t in zip(values.tolist(), top.tolist())]
         cands.sort(key=lambda c: -c[0])
         beams = []
         for rank, (value, tokens, t) in enumerate(cands[:2 * width]):
