@@ -71,6 +71,41 @@ __device__ __forceinline__ float pk_group_max(float v) {
   return v;
 }
 
+__host__ __device__ constexpr int pk_log2(int x) { return x <= 1 ? 0 : 1 + pk_log2(x / 2); }
+
+// Sums each of the G values of `v` over an aligned group of TG lanes (G <= TG, both powers of
+// two) with G - 1 + log2(TG / G) shuffles instead of G * log2(TG): each exchange step hands half
+// of the remaining values to the partner lane. Afterwards lane `li` holds the full sum for value
+// pk_transpose_sum_index<G, TG>(li) in v[0] (the rest of `v` is clobbered).
+template <int G, int TG>
+__device__ __forceinline__ float pk_transpose_sum(float (&v)[G], int li) {
+  static_assert(G <= TG && (G & (G - 1)) == 0 && (TG & (TG - 1)) == 0, "powers of two, G <= TG");
+#pragma unroll
+  for (int step = 0; step < pk_log2(G); ++step) {
+    const int half = (G >> step) / 2, off = TG >> (step + 1);
+    const bool upper = (li & off) != 0;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? v[i] : v[i + half];
+      const float keep = upper ? v[i + half] : v[i];
+      v[i] = keep + __shfl_xor_sync(PK_FULL_MASK, send, off);
+    }
+  }
+#pragma unroll
+  for (int off = TG / G / 2; off > 0; off /= 2) v[0] += __shfl_xor_sync(PK_FULL_MASK, v[0], off);
+  return v[0];
+}
+
+// Which value lane `li` holds after pk_transpose_sum<G, TG>.
+template <int G, int TG>
+__device__ __forceinline__ int pk_transpose_sum_index(int li) {
+  int index = 0;
+#pragma unroll
+  for (int step = 0; step < pk_log2(G); ++step)
+    if (li & (TG >> (step + 1))) index += (G >> step) / 2;
+  return index;
+}
+
 // ---- score transforms shared by all attention kernels (docs/abi.md order) ----
 // `s` is already scaled; soft cap then ALiBi (slope * (key position - query position)).
 __device__ __forceinline__ float pk_transform_score(float s, float soft_cap, float slope,

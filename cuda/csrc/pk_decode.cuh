@@ -9,16 +9,15 @@
 //   threads per row) and serves all GROUP_TILE query heads; the queries (GROUP_TILE rows) once.
 //   Writes GROUP_TILE output rows (T) + lse, or, with num_splits > 1, float32 partial rows plus
 //   their running max and sum for pk_decode_reduce_kernel.
-//   One pass: each thread group of TG lanes streams its rows of the partition, loading the K
-//   and the V row together (UNROLL rows in flight), and keeps its own online softmax (running
-//   max, sum and output per head, float32); thread groups are merged by shuffles, warps through
-//   shared memory. No barrier inside the loop.
+//   Phases: (1) scores of every key of the partition for every head into shared memory,
+//   (2) per-head max and exp-sum (one warp per head), (3) P*V with each thread owning VEC
+//   elements of head_size for its tokens, then a shuffle + shared-memory reduction.
 //   Invariants: rows of q/k/v/out are 16-byte aligned and HEAD_SIZE % VEC == 0 (ops.py checks);
 //   no key at a position >= seq_len is ever loaded (cache slots past it may hold NaN);
 //   block-table entries past ceil(seq_len / block_size) are never read; cache offsets are int64.
-//   Dynamic shared memory (planned in ops.py `plan_attention`): 4 * GROUP_TILE * (HEAD_SIZE + 2)
-//   floats for the final merge, then partition_size / block_size + 2 ints for the partition's
-//   block ids.
+//   Dynamic shared memory (planned in ops.py `plan_attention`):
+//   max(partition_size * GROUP_TILE, 4 * GROUP_TILE * HEAD_SIZE) floats for scores / the final
+//   reduction, then partition_size / block_size + 2 ints for the partition's block ids.
 //
 // pk_decode_reduce_kernel<T>
 //   Grid: (num_heads, num_seqs); 128 threads. One block merges the num_splits partial results of
@@ -29,12 +28,18 @@
 #include "pk_common.cuh"
 #include "pk_ops.h"
 
+// Phase 1 reduces the group's dot products with pk_transpose_sum (G - 1 + log2(TG / G)
+// shuffles per row) rather than one butterfly per head (G * log2(TG)); 0 selects the latter.
+#ifndef PK_DECODE_TRANSPOSE_REDUCE
+#define PK_DECODE_TRANSPOSE_REDUCE 1
+#endif
+
 constexpr int PK_DECODE_THREADS = 128;
 constexpr int PK_DECODE_WARPS = PK_DECODE_THREADS / 32;
 
 // Thread layout of the decode kernel: TG lanes share one K/V row, each loading VPT 16-byte
 // vectors of it; a warp covers 32 / TG rows at a time.
-template <typename T, int HEAD_SIZE, int GROUP_TILE>
+template <typename T, int HEAD_SIZE>
 struct PkDecodeShape {
   static constexpr int VEC = PkVec<T>::N;
   static constexpr int NVEC = HEAD_SIZE / VEC;
@@ -44,17 +49,19 @@ struct PkDecodeShape {
   static constexpr int ROWS_PER_WARP = 32 / TG;
   static constexpr int ROWS_PER_STEP = PK_DECODE_WARPS * ROWS_PER_WARP;
   // Rows each thread group loads before using them (memory-level parallelism).
-  static constexpr int UNROLL = (VPT >= 2 || GROUP_TILE >= 8) ? 2 : 4;
+  static constexpr int UNROLL = VPT >= 2 ? 4 : 8;
   static_assert(HEAD_SIZE % VEC == 0, "head_size must be a multiple of 16 bytes");
 };
 
 template <typename T, int HEAD_SIZE, int GROUP_TILE>
 __global__ void __launch_bounds__(PK_DECODE_THREADS, 1)
 pk_decode_kernel(const PkAttnParams p) {
-  using S = PkDecodeShape<T, HEAD_SIZE, GROUP_TILE>;
+  using S = PkDecodeShape<T, HEAD_SIZE>;
   constexpr int VEC = S::VEC, VPT = S::VPT, TG = S::TG;
   extern __shared__ float4 pk_smem4[];
   float* smem = reinterpret_cast<float*>(pk_smem4);
+  __shared__ float s_max[GROUP_TILE];
+  __shared__ float s_sum[GROUP_TILE];
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row_in_step = warp * S::ROWS_PER_WARP + lane / TG, li = lane % TG;
@@ -119,11 +126,11 @@ pk_decode_kernel(const PkAttnParams p) {
   }
 
   // The partition's block ids -> shared memory, so no K/V load waits on a block-table load.
-  float* red = smem;                                                   // [warp][GROUP_TILE][D]
-  float* red_ml = red + PK_DECODE_WARPS * GROUP_TILE * HEAD_SIZE;      // [warp][GROUP_TILE][2]
-  int* s_blocks = reinterpret_cast<int*>(red_ml + PK_DECODE_WARPS * GROUP_TILE * 2);
   const PkBlockMap bmap(static_cast<const int32_t*>(p.block_tables) + seq * p.bt_stride,
                         block_size);
+  const int partition = static_cast<int>(p.partition_size);
+  int* s_blocks = reinterpret_cast<int*>(
+      smem + max(partition * GROUP_TILE, PK_DECODE_WARPS * GROUP_TILE * HEAD_SIZE));
   int slot_unused;
   const int first_idx = bmap.index(static_cast<int>(part_start), slot_unused);
   const int num_idx = bmap.index(static_cast<int>(part_end - 1), slot_unused) - first_idx + 1;
@@ -137,134 +144,153 @@ pk_decode_kernel(const PkAttnParams p) {
     return static_cast<int64_t>(s_blocks[idx - first_idx]) * stride_block +
            static_cast<int64_t>(slot) * stride_slot;
   };
+  float* logits = smem;  // [n][GROUP_TILE]
 
-  // ---- one pass over the partition: each thread group streams its rows (K and V loads in
-  // flight together) with its own online softmax (m, l, acc) per head ----
-  float m[GROUP_TILE], l[GROUP_TILE], acc[GROUP_TILE][VPT][VEC];
+  // ---- phase 1: scores ----
+  // After the transposing reduction, lane li holds head my_head's score; one lane per head
+  // (the lowest of the lanes holding it) writes it.
+  const int my_head = pk_transpose_sum_index<GROUP_TILE, TG>(li);
+  const bool my_writer = (li & (TG / GROUP_TILE - 1)) == 0;
+  const float my_slope = (p.alibi_slopes != nullptr && my_head < nh)
+                             ? __ldg(static_cast<const float*>(p.alibi_slopes) + head0 + my_head)
+                             : 0.f;
+  {
+    const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_stride_head;
+    for (int base = 0; base < n; base += S::ROWS_PER_STEP * S::UNROLL) {
+      uint4 raw[S::UNROLL][VPT];
 #pragma unroll
-  for (int g = 0; g < GROUP_TILE; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
+      for (int u = 0; u < S::UNROLL; ++u) {
+        const int i = base + u * S::ROWS_PER_STEP + row_in_step;
+        const T* row = nullptr;
+        if (i < n) row = kbase + row_offset(i, p.k_stride_block, p.k_stride_slot);
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+          const int v = li + j * TG;
+          raw[u][j] = (row != nullptr && v < S::NVEC) ? pk_load16(row + v * VEC)
+                                                      : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < S::UNROLL; ++u) {
+        float acc[GROUP_TILE];
+#pragma unroll
+        for (int g = 0; g < GROUP_TILE; ++g) acc[g] = 0.f;
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+          float k[VEC];
+          pk_unpack16<T>(raw[u][j], k);
+#pragma unroll
+          for (int g = 0; g < GROUP_TILE; ++g)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[g] = fmaf(q[g][j][e], k[e], acc[g]);
+        }
+        const int i = base + u * S::ROWS_PER_STEP + row_in_step;
+#if PK_DECODE_TRANSPOSE_REDUCE
+        const float dot = pk_transpose_sum<GROUP_TILE, TG>(acc, li);
+        if (i < n && my_writer)
+          logits[i * GROUP_TILE + my_head] =
+              pk_transform_score(dot, soft_cap, my_slope, part_start + i, q_pos);
+#else
+#pragma unroll
+        for (int g = 0; g < GROUP_TILE; ++g) acc[g] = pk_group_sum<TG>(acc[g]);
+        if (i < n && li == 0) {
+#pragma unroll
+          for (int g = 0; g < GROUP_TILE; ++g)
+            logits[i * GROUP_TILE + g] =
+                pk_transform_score(acc[g], soft_cap, slope[g], part_start + i, q_pos);
+        }
+#endif
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- phase 2: per-head max and sum; logits become unnormalised probabilities ----
+  for (int g = warp; g < nh; g += PK_DECODE_WARPS) {
+    float m = -INFINITY;
+    for (int i = lane; i < n; i += 32) m = fmaxf(m, logits[i * GROUP_TILE + g]);
+    m = pk_group_max<32>(m);
+    float sum = 0.f;
+    for (int i = lane; i < n; i += 32) {
+      const float e = pk_exp_shifted(logits[i * GROUP_TILE + g], m);
+      logits[i * GROUP_TILE + g] = e;
+      sum += e;
+    }
+    sum = pk_group_sum<32>(sum);
+    if (lane == 0) {
+      s_max[g] = m;
+      s_sum[g] = sum;
+    }
+  }
+  __syncthreads();
+
+  // ---- phase 3: P * V ----
+  float acc[GROUP_TILE][VPT][VEC];
+#pragma unroll
+  for (int g = 0; g < GROUP_TILE; ++g)
 #pragma unroll
     for (int j = 0; j < VPT; ++j)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[g][j][e] = 0.f;
-  }
-  const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_stride_head;
-  const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.v_stride_head;
-  for (int base = 0; base < n; base += S::ROWS_PER_STEP * S::UNROLL) {
-    uint4 kraw[S::UNROLL][VPT], vraw[S::UNROLL][VPT];
+  {
+    const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.v_stride_head;
+    for (int base = 0; base < n; base += S::ROWS_PER_STEP * S::UNROLL) {
+      uint4 raw[S::UNROLL][VPT];
 #pragma unroll
-    for (int u = 0; u < S::UNROLL; ++u) {
-      const int i = base + u * S::ROWS_PER_STEP + row_in_step;
-      const T* krow = nullptr;
-      const T* vrow = nullptr;
-      if (i < n) {
-        krow = kbase + row_offset(i, p.k_stride_block, p.k_stride_slot);
-        vrow = vbase + row_offset(i, p.v_stride_block, p.v_stride_slot);
+      for (int u = 0; u < S::UNROLL; ++u) {
+        const int i = base + u * S::ROWS_PER_STEP + row_in_step;
+        const T* row = nullptr;
+        if (i < n) row = vbase + row_offset(i, p.v_stride_block, p.v_stride_slot);
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+          const int v = li + j * TG;
+          raw[u][j] = (row != nullptr && v < S::NVEC) ? pk_load16(row + v * VEC)
+                                                      : make_uint4(0u, 0u, 0u, 0u);
+        }
       }
 #pragma unroll
-      for (int j = 0; j < VPT; ++j) {
-        const int v = li + j * TG;
-        const bool ok = krow != nullptr && v < S::NVEC;
-        kraw[u][j] = ok ? pk_load16(krow + v * VEC) : make_uint4(0u, 0u, 0u, 0u);
-        vraw[u][j] = ok ? pk_load16(vrow + v * VEC) : make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-    // Scores of this step's rows (every lane of a thread group gets its row's scores).
-    float s[S::UNROLL][GROUP_TILE];
+      for (int u = 0; u < S::UNROLL; ++u) {
+        const int i = base + u * S::ROWS_PER_STEP + row_in_step;
+        if (i >= n) continue;
+        float pr[GROUP_TILE];
 #pragma unroll
-    for (int u = 0; u < S::UNROLL; ++u) {
+        for (int g = 0; g < GROUP_TILE; ++g) pr[g] = logits[i * GROUP_TILE + g];
 #pragma unroll
-      for (int g = 0; g < GROUP_TILE; ++g) s[u][g] = 0.f;
+        for (int j = 0; j < VPT; ++j) {
+          float v[VEC];
+          pk_unpack16<T>(raw[u][j], v);
 #pragma unroll
-      for (int j = 0; j < VPT; ++j) {
-        float k[VEC];
-        pk_unpack16<T>(kraw[u][j], k);
+          for (int g = 0; g < GROUP_TILE; ++g)
 #pragma unroll
-        for (int g = 0; g < GROUP_TILE; ++g)
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) s[u][g] = fmaf(q[g][j][e], k[e], s[u][g]);
-      }
-      const int i = base + u * S::ROWS_PER_STEP + row_in_step;
-#pragma unroll
-      for (int g = 0; g < GROUP_TILE; ++g) {
-        const float dot = pk_group_sum<TG>(s[u][g]);
-        s[u][g] = i < n ? pk_transform_score(dot, soft_cap, slope[g], part_start + i, q_pos)
-                        : -INFINITY;
-      }
-    }
-    // Online softmax update, once per step.
-#pragma unroll
-    for (int g = 0; g < GROUP_TILE; ++g) {
-      float step_max = s[0][g];
-#pragma unroll
-      for (int u = 1; u < S::UNROLL; ++u) step_max = fmaxf(step_max, s[u][g]);
-      const float m_new = fmaxf(m[g], step_max);
-      const float alpha = pk_exp_shifted(m[g], m_new);
-      m[g] = m_new;
-      l[g] *= alpha;
-#pragma unroll
-      for (int j = 0; j < VPT; ++j)
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[g][j][e] *= alpha;
-    }
-#pragma unroll
-    for (int u = 0; u < S::UNROLL; ++u) {
-      float pr[GROUP_TILE];
-#pragma unroll
-      for (int g = 0; g < GROUP_TILE; ++g) {
-        pr[g] = pk_exp_shifted(s[u][g], m[g]);
-        l[g] += pr[g];
-      }
-#pragma unroll
-      for (int j = 0; j < VPT; ++j) {
-        float v[VEC];
-        pk_unpack16<T>(vraw[u][j], v);
-#pragma unroll
-        for (int g = 0; g < GROUP_TILE; ++g)
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[g][j][e] = fmaf(pr[g], v[e], acc[g][j][e]);
+            for (int e = 0; e < VEC; ++e) acc[g][j][e] = fmaf(pr[g], v[e], acc[g][j][e]);
+        }
       }
     }
   }
-
-  // ---- merge the thread groups of a warp (shuffles), then the warps (shared memory) ----
+  // Rows of one warp -> lanes of its first thread group.
 #pragma unroll
-  for (int off = TG; off < 32; off *= 2) {
+  for (int off = TG; off < 32; off *= 2)
 #pragma unroll
-    for (int g = 0; g < GROUP_TILE; ++g) {
-      const float m_o = __shfl_xor_sync(PK_FULL_MASK, m[g], off);
-      const float l_o = __shfl_xor_sync(PK_FULL_MASK, l[g], off);
-      const float m_new = fmaxf(m[g], m_o);
-      const float a = pk_exp_shifted(m[g], m_new), b = pk_exp_shifted(m_o, m_new);
-      m[g] = m_new;
-      l[g] = l[g] * a + l_o * b;
+    for (int g = 0; g < GROUP_TILE; ++g)
 #pragma unroll
       for (int j = 0; j < VPT; ++j)
 #pragma unroll
         for (int e = 0; e < VEC; ++e)
-          acc[g][j][e] = acc[g][j][e] * a + __shfl_xor_sync(PK_FULL_MASK, acc[g][j][e], off) * b;
-    }
-  }
+          acc[g][j][e] += __shfl_xor_sync(PK_FULL_MASK, acc[g][j][e], off);
+  __syncthreads();  // every warp is done reading logits; reuse the buffer
+  float* red = smem;  // [warp][GROUP_TILE][HEAD_SIZE]
   if (lane < TG) {
 #pragma unroll
-    for (int g = 0; g < GROUP_TILE; ++g) {
-      if (g >= nh) continue;
-      if (lane == 0) {
-        red_ml[(warp * GROUP_TILE + g) * 2] = m[g];
-        red_ml[(warp * GROUP_TILE + g) * 2 + 1] = l[g];
-      }
+    for (int g = 0; g < GROUP_TILE; ++g)
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
         const int v = li + j * TG;
-        if (v < S::NVEC) {
+        if (g < nh && v < S::NVEC) {
 #pragma unroll
           for (int e = 0; e < VEC; ++e)
             red[(warp * GROUP_TILE + g) * HEAD_SIZE + v * VEC + e] = acc[g][j][e];
         }
       }
-    }
   }
   __syncthreads();
 
@@ -272,41 +298,30 @@ pk_decode_kernel(const PkAttnParams p) {
   for (int idx = threadIdx.x; idx < nh * S::NVEC; idx += PK_DECODE_THREADS) {
     const int g = idx / S::NVEC, v = idx % S::NVEC;
     const int64_t row = static_cast<int64_t>(seq) * num_heads + head0 + g;
-    float m_all = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < PK_DECODE_WARPS; ++w)
-      m_all = fmaxf(m_all, red_ml[(w * GROUP_TILE + g) * 2]);
-    float scale_w[PK_DECODE_WARPS];
-    float l_all = 0.f;
-#pragma unroll
-    for (int w = 0; w < PK_DECODE_WARPS; ++w) {
-      scale_w[w] = pk_exp_shifted(red_ml[(w * GROUP_TILE + g) * 2], m_all);
-      l_all += red_ml[(w * GROUP_TILE + g) * 2 + 1] * scale_w[w];
-    }
-    const float inv = 1.f / l_all;
+    const float inv = 1.f / s_sum[g];
     float o[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < PK_DECODE_WARPS; ++w)
-        if (scale_w[w] > 0.f) sum += red[(w * GROUP_TILE + g) * HEAD_SIZE + v * VEC + e] * scale_w[w];
+      for (int w = 0; w < PK_DECODE_WARPS; ++w) sum += red[(w * GROUP_TILE + g) * HEAD_SIZE + v * VEC + e];
       o[e] = sum * inv;
     }
     if (num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + seq * p.o_stride_token + (head0 + g) * p.o_stride_head +
-               v * VEC;
+      T* out = static_cast<T*>(p.out) + seq * p.o_stride_token +
+               (head0 + g) * p.o_stride_head + v * VEC;
       pk_store16<T>(out, o);
-      if (v == 0 && p.lse != nullptr) static_cast<float*>(p.lse)[row] = m_all + logf(l_all);
+      if (v == 0 && p.lse != nullptr)
+        static_cast<float*>(p.lse)[row] = s_max[g] + logf(s_sum[g]);
     } else {
-      float* part = static_cast<float*>(p.part_out) + (row * num_splits + split) * HEAD_SIZE +
-                    v * VEC;
+      float* part = static_cast<float*>(p.part_out) +
+                    (row * num_splits + split) * HEAD_SIZE + v * VEC;
 #pragma unroll
       for (int e = 0; e < VEC; e += 4)
         *reinterpret_cast<float4*>(part + e) = make_float4(o[e], o[e + 1], o[e + 2], o[e + 3]);
       if (v == 0) {
-        static_cast<float*>(p.part_m)[row * num_splits + split] = m_all;
-        static_cast<float*>(p.part_l)[row * num_splits + split] = l_all;
+        static_cast<float*>(p.part_m)[row * num_splits + split] = s_max[g];
+        static_cast<float*>(p.part_l)[row * num_splits + split] = s_sum[g];
       }
     }
   }

@@ -186,7 +186,8 @@ def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
         tile = _pow2_at_least(min(group, GROUP_TILES[-1]), GROUP_TILES)
         chunks = math.ceil(group / tile)
         size, splits = _decode_partition(p, p.num_seqs * p.num_kv_heads * chunks, num_sms)
-        smem = 4 * (DECODE_WARPS * tile * (p.head_size + 2) + size // p.block_size + 2)
+        smem = 4 * (max(size * tile, DECODE_WARPS * tile * p.head_size)
+                    + size // p.block_size + 2)
         return AttentionPlan(KERNEL_DECODE, tile, tile, chunks, 1, splits, size,
                              (p.num_kv_heads * chunks, p.num_seqs, splits), smem,
                              (p.num_heads, p.num_seqs))
