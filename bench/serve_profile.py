@@ -1,0 +1,111 @@
+"""Where a decode step of the engine goes: matmuls, attention, KV writes, other model ops,
+sampling and Python overhead (everything else in `LLMEngine.step`).
+
+    python -m bench.serve_profile --batch 1 16 --threads 1 2 --dtype bfloat16
+
+Loads the model once, fills `batch` sequences with `--prompt-len` random prompt tokens (prefill
+not timed), then times `--steps` decode steps with wall-clock wrappers around `F.linear` (every
+matmul of the model, including the LM head), `paged_attention`, `write_kv` (as the model calls
+them) and the sampler. Prints one markdown row per (threads, batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import engine.model.llama as llama
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model.loader import load_model
+from engine.sampling_params import SamplingParams
+
+TIMES: dict[str, float] = defaultdict(float)
+
+
+def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[name] += time.perf_counter() - t
+    return wrapper
+
+
+def install_model_timers(model: Any) -> None:
+    """Once per process: the model's matmuls, attention and KV writes, and its forward."""
+    llama.F = _FProxy()  # the model's F.linear goes through the timer
+    llama.paged_attention = timed("attention", llama.paged_attention)
+    llama.write_kv = timed("write_kv", llama.write_kv)
+    model.forward = timed("forward", model.forward)
+
+
+class _FProxy:
+    """torch.nn.functional with `linear` timed."""
+
+    linear = staticmethod(timed("matmul", F.linear))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(F, name)
+
+
+def profile(loaded: Any, batch: int, args: argparse.Namespace) -> dict[str, float]:
+    engine = LLMEngine(loaded, config=EngineConfig(max_model_len=args.prompt_len + 64 +
+                                                   args.steps + 8, backend=args.backend))
+    rng = random.Random(0)
+    for i in range(batch):
+        engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(args.prompt_len)],
+                           SamplingParams(max_tokens=args.steps + 16, ignore_eos=True,
+                                          temperature=0.0))
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
+                                          for g in engine.scheduler.running for s in g.seqs):
+        engine.step()
+    for _ in range(3):
+        engine.step()  # warm up the decode path
+    engine.sampler.sample = timed("sampling", engine.sampler.sample)
+    TIMES.clear()
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    total = (time.perf_counter() - t) / args.steps * 1000
+    ms = {k: v / args.steps * 1000 for k, v in TIMES.items()}
+    other_model = ms["forward"] - ms["matmul"] - ms["attention"] - ms["write_kv"]
+    return {"step_ms": total, "matmul_ms": ms["matmul"], "attention_ms": ms["attention"],
+            "write_kv_ms": ms["write_kv"], "other_model_ops_ms": other_model,
+            "sampling_ms": ms["sampling"],
+            "python_overhead_ms": total - ms["forward"] - ms["sampling"],
+            "tok_s": batch / total * 1000}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--backend", default="auto")
+    args = p.parse_args()
+    loaded = load_model(None, dtype=getattr(torch, args.dtype))
+    install_model_timers(loaded.model)
+    cols = ["step_ms", "matmul_ms", "attention_ms", "write_kv_ms", "other_model_ops_ms",
+            "sampling_ms", "python_overhead_ms", "tok_s"]
+    print("| threads | batch | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (len(cols) + 2))
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch in args.batch:
+            row = profile(loaded, batch, args)
+            print(f"| {threads} | {batch} | " + " | ".join(f"{row[c]:.1f}" for c in cols) + " |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
