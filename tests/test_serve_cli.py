@@ -1,0 +1,60 @@
+"""`python -m engine.serve`'s command line (no server started): every flag of issue 7 exists
+and maps onto the engine's config, sizes parse, bad values are refused by argparse."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine.serve import build_parser, parse_size, served_names
+
+
+def test_every_issue_flag_parses():
+    args = build_parser().parse_args([
+        "--model", "/m/model.gguf", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k",
+        "--dtype", "float32", "--backend", "reference", "--block-size", "32",
+        "--num-kv-blocks", "100", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+        "--max-model-len", "1024", "--no-enable-prefix-caching", "--preemption-mode", "swap",
+        "--max-queue", "4", "--log-level", "debug", "--max-request-bytes", "1MiB"])
+    assert (args.model, args.host, args.port, args.api_key) == ("/m/model.gguf", "0.0.0.0",
+                                                                9000, "k")
+    assert (args.dtype, args.backend, args.block_size, args.num_kv_blocks) == (
+        "float32", "reference", 32, 100)
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len) == (8, 512, 1024)
+    assert args.enable_prefix_caching is False and args.preemption_mode == "swap"
+    assert (args.max_queue, args.log_level, args.max_request_bytes) == (4, "debug", 1 << 20)
+
+
+def test_defaults():
+    args = build_parser().parse_args([])
+    assert args.model is None and args.host == "127.0.0.1" and args.port == 8000
+    assert args.dtype == "auto" and args.enable_prefix_caching is True
+    assert args.kv_cache_memory is None and args.num_kv_blocks is None
+
+
+@pytest.mark.parametrize("text, expected", [("1048576", 1 << 20), ("512MiB", 512 << 20),
+                                             ("2G", 2 << 30), ("1.5k", 1536), ("64kb", 65536)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "12 parsecs", "-5M"])
+def test_parse_size_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("argv", [["--block-size", "0"], ["--max-num-seqs", "-1"],
+                                  ["--num-kv-blocks", "10", "--kv-cache-memory", "1G"],
+                                  ["--dtype", "int8"], ["--preemption-mode", "never"]])
+def test_bad_flags_exit(argv, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert "error" in capsys.readouterr().err
+
+
+def test_served_names():
+    assert served_names(None, None) == ["SmolLM2-135M-Instruct"]
+    assert served_names("/x/tiny.gguf", None) == ["tiny", "/x/tiny.gguf"]
+    assert served_names("/x/hf_dir/", "mine") == ["mine", "hf_dir", "/x/hf_dir/"]
