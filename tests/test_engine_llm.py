@@ -227,6 +227,19 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_mixed_batch(loaded, prom
     assert_clean(llm)
 
 
+def test_streamed_text_equals_decoding_the_tokens_even_for_multibyte_characters(loaded):
+    llm = make_llm(loaded)
+    tok = loaded.tokenizer
+    prompt = tok.encode("Emoji and accents: 🎉🙂 café naïve 日本語 ->")
+    outs = llm.generate(as_inputs([prompt, prompt]),
+                        [SamplingParams(temperature=1.5, seed=s, max_tokens=12) for s in (3, 4)],
+                        use_tqdm=False)
+    for out in outs:
+        o = out.outputs[0]
+        assert o.text == tok.decode(o.token_ids)
+    assert_clean(llm)
+
+
 def test_stop_strings_and_stop_tokens(loaded, prompts, hf_greedy):
     llm = make_llm(loaded)
     tok = loaded.tokenizer

@@ -69,7 +69,7 @@ class FakeEngine:
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        for seq, n in out.scheduled:
+        for seq, _ in out.scheduled:
             if seq.num_uncomputed_tokens == 0 and not seq.is_finished:
                 self._sample(seq)
         for group in self.scheduler.remove_finished():
@@ -136,10 +136,11 @@ def test_chunked_prefill_mixes_with_decode_in_one_step():
     eng.assert_clean()
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_with_a_tiny_pool_finishes_everything(mode):
+@pytest.mark.parametrize("mode,host", [("recompute", 0), ("swap", 40), ("swap", 3)])
+def test_preemption_with_a_tiny_pool_finishes_everything(mode, host):
+    """("swap", 3): the host pool is too small for some requests, which are recomputed."""
     eng = FakeEngine(num_kv_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                     preemption_mode=mode, num_host_blocks=40)
+                     preemption_mode=mode, num_host_blocks=host)
     for i, p in enumerate(prompts(1, 5, 6, 12)):
         eng.add(f"r{i}", p, max_tokens=12, arrival=float(i))
     eng.run()
