@@ -302,3 +302,16 @@ def test_copy_and_swap_blocks():
     pk.swap_blocks(src, dst, torch.tensor([[2, 6], [0, 0]]), backend=BACKEND)
     assert torch.equal(dst[6], src[2]) and torch.equal(dst[0], src[0])
     assert not dst[1:6].any()
+
+
+def test_concurrent_launches_from_host_threads():
+    """The launchers release the GIL; each host thread has its own fibers and shared memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [make_case(*MIXED, heads=8, kv_heads=2, head_size=64, block_size=16,
+                       dtype=dtype, seed=20 + i) for i, dtype in enumerate(DTYPES)]
+    alone = [run(c)[0] for c in cases]
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda c: run(c)[0], cases * 2))
+    for got, want in zip(together, alone * 2):
+        assert torch.equal(got, want)
