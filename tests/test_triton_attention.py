@@ -321,15 +321,15 @@ def test_interpreter_workaround_only_under_interpreter(monkeypatch: pytest.Monke
     case = make_case([5], None, dtype=torch.bfloat16)
     p = pk.abi.check_attention_args(case.query, case.key_cache, case.value_cache,
                                     case.block_tables, case.seq_lens)
-    assert decode._flags(p)["UPCAST"] == runtime.interpreting()
+    assert runtime.kernel_flags(p)["UPCAST"] == runtime.interpreting()
     monkeypatch.setattr(runtime, "interpreting", lambda: False)
-    assert decode._flags(p)["UPCAST"] is False
+    assert runtime.kernel_flags(p)["UPCAST"] is False
     case16 = make_case([5], None, dtype=torch.float16)
     p16 = pk.abi.check_attention_args(case16.query, case16.key_cache, case16.value_cache,
                                       case16.block_tables, case16.seq_lens)
     monkeypatch.setattr(runtime, "interpreting", lambda: True)
-    assert decode._flags(p16)["UPCAST"] is False
-    assert decode._flags(p16)["IEEE"] is False
+    assert runtime.kernel_flags(p16)["UPCAST"] is False
+    assert runtime.kernel_flags(p16)["IEEE"] is False
 
 
 def test_lse_merges_with_merge_attn_states() -> None:

@@ -209,13 +209,6 @@ def _reduce_kernel(
                  tl.where(seen, m + tl.log2(l_safe), float("-inf")) * LN2)
 
 
-def _flags(p: AttentionProblem) -> dict:
-    return dict(
-        USE_WINDOW=p.sliding_window is not None, USE_SOFT_CAP=p.soft_cap is not None,
-        USE_ALIBI=p.alibi_slopes is not None, IEEE=p.query.dtype == torch.float32,
-        UPCAST=runtime.interpreting() and p.query.dtype == torch.bfloat16)
-
-
 def paged_decode(p: AttentionProblem) -> None:
     """Decode attention for a checked problem with `cu_seqlens_q is None`; fills p.out (and
     p.lse)."""
@@ -236,7 +229,7 @@ def paged_decode(p: AttentionProblem) -> None:
         target, target_lse = p.out, p.lse
         o_strides = (p.out.stride(0), p.out.stride(1), 0)
         l_strides = (p.lse.stride(0), p.lse.stride(1), 0) if p.lse is not None else (0, 0, 0)
-    flags = _flags(p)
+    flags = runtime.kernel_flags(p)
     _decode_kernel[(p.num_seqs, p.num_kv_heads, num_splits)](
         q, k, v, p.block_tables, p.seq_lens, p.alibi_slopes, target, target_lse,
         p.scale, p.soft_cap or 1.0, p.sliding_window or 1, split_size,
@@ -244,7 +237,7 @@ def paged_decode(p: AttentionProblem) -> None:
         v.stride(0), v.stride(1), v.stride(2), p.block_tables.stride(0), *o_strides, *l_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=p.head_size,
         HEAD_PAD=head_pad, BLOCK_SIZE=p.block_size, TILE_N=cfg.tile_n,
-        HAS_LSE=p.lse is not None, PARTIAL=partial, num_warps=cfg.num_warps,
+        PARTIAL=partial, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **flags)
     if partial:
         _reduce(p, target, target_lse, split_size, cfg.tile_n, head_pad, flags["USE_WINDOW"])
@@ -255,6 +248,7 @@ def _reduce(p: AttentionProblem, part: torch.Tensor, part_lse: torch.Tensor, spl
     lse_strides = (p.lse.stride(0), p.lse.stride(1)) if p.lse is not None else (0, 0)
     _reduce_kernel[(p.num_seqs, p.num_heads)](
         part, part_lse, p.seq_lens, p.out, p.lse, p.sliding_window or 1, split_size,
-        part.shape[2], *part.stride()[:3], *part_lse.stride(), p.out.stride(0), p.out.stride(1), *lse_strides,
+        part.shape[2], *part.stride()[:3], *part_lse.stride(), p.out.stride(0), p.out.stride(1),
+        *lse_strides,
         HEAD_SIZE=p.head_size, HEAD_PAD=head_pad, TILE_N=tile_n, USE_WINDOW=use_window,
         HAS_LSE=p.lse is not None, num_warps=1 if head_pad <= 64 else 2)

@@ -13,6 +13,8 @@ from typing import ContextManager
 
 import torch
 
+from paged_kernels.abi import AttentionProblem
+
 INTERPRET_ENV = "TRITON_INTERPRET"
 
 
@@ -46,3 +48,16 @@ def device_of(t: torch.Tensor) -> ContextManager:
     if t.device.type != "cuda" or t.device.index in (None, torch.cuda.current_device()):
         return contextlib.nullcontext()
     return torch.cuda.device(t.device)
+
+
+def kernel_flags(p: AttentionProblem) -> dict[str, bool]:
+    """The constexpr switches of the attention kernels for `p`: its features, exact float32
+    products (IEEE; tl.dot would use TF32), and UPCAST, the interpreter's bf16 tl.dot workaround
+    (attend.py), which is set only under the interpreter so the GPU keeps its bf16 tensor-core dot.
+    """
+    return {
+        "USE_WINDOW": p.sliding_window is not None, "USE_SOFT_CAP": p.soft_cap is not None,
+        "USE_ALIBI": p.alibi_slopes is not None, "HAS_LSE": p.lse is not None,
+        "IEEE": p.query.dtype == torch.float32,
+        "UPCAST": interpreting() and p.query.dtype == torch.bfloat16,
+    }

@@ -19,7 +19,6 @@ prefix, decode and several query tokens per sequence, mixed in one launch.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -117,8 +116,5 @@ def paged_varlen(p: AttentionProblem) -> None:
         p.out.stride(0), p.out.stride(1), *lse_strides,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_SIZE=p.head_size,
         HEAD_PAD=configs.padded_head_size(p.head_size), BLOCK_SIZE=p.block_size,
-        TILE_N=cfg.tile_n, USE_WINDOW=p.sliding_window is not None,
-        USE_SOFT_CAP=p.soft_cap is not None, USE_ALIBI=p.alibi_slopes is not None,
-        HAS_LSE=p.lse is not None, IEEE=q.dtype == torch.float32,
-        UPCAST=runtime.interpreting() and q.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        TILE_N=cfg.tile_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **runtime.kernel_flags(p))
