@@ -189,7 +189,7 @@ def test_head_sizes(head_size: int, batch: str) -> None:
     check(make_case([19, 7], q_lens, head_size=head_size, heads=(2, 1)))
 
 
-@pytest.mark.parametrize("block_size", [8, 256])
+@pytest.mark.parametrize("block_size", [1, 8, 24, 256])
 @pytest.mark.parametrize("batch", ["decode", "varlen"])
 def test_block_sizes(block_size: int, batch: str) -> None:
     q_lens = None if batch == "decode" else [30, 1]
