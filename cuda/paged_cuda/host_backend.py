@@ -54,7 +54,7 @@ class CudaHostBackend(Backend):
         try:
             self._ext = host_build.host_module()
             ops.check_layout(self._ext)
-        except (host_build.HostBuildError, RuntimeError) as exc:
+        except (host_build.HostBuildError, ImportError, RuntimeError) as exc:
             raise BackendUnavailable(f"host build of the CUDA kernels failed: {exc}") from exc
         self._num_sms = _num_sms()
         reduced = os.environ.get("PK_HOST_INSTANTIATIONS")

@@ -56,7 +56,7 @@ CXX_FLAGS = (
 
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\b[^;]*?\b(\w+)\s*\[\s*\]\s*;")
 _loaded: dict[str, ModuleType] = {}
-_announced = False
+_announced: set[str] = set()
 
 
 class HostBuildError(RuntimeError):
@@ -256,11 +256,11 @@ def _build(build_dir: Path, cxx: str, flags: Sequence[str], sources: Sequence[Pa
 
 
 def _announce(name: str, build_dir: Path) -> None:
-    global _announced
-    if not _announced:
+    """Says once per module and process that a (slow) build starts."""
+    if name not in _announced:
         print(f"paged_kernels: compiling {name} (CUDA sources as host C++, first use; cached in "
               f"{build_dir})", file=sys.stderr, flush=True)
-        _announced = True
+        _announced.add(name)
 
 
 def build_module(name: str, sources: Sequence[Path], *, include_dirs: Sequence[Path] = (),
