@@ -28,10 +28,12 @@
 #include "pk_common.cuh"
 #include "pk_ops.h"
 
-// Phase 1 reduces the group's dot products with pk_transpose_sum (G - 1 + log2(TG / G)
-// shuffles per row) rather than one butterfly per head (G * log2(TG)); 0 selects the latter.
+// 1: phase 1 reduces the group's dot products with pk_transpose_sum (G - 1 + log2(TG / G)
+// shuffles per row) instead of one butterfly per head (G * log2(TG)). Correct under the host
+// emulator but not yet timed on a GPU, so the measured variant (0) stays the default; A/B it with
+// NVCC_APPEND_FLAGS=-DPK_DECODE_TRANSPOSE_REDUCE=1 python -m cuda.paged_cuda.build --out DIR.
 #ifndef PK_DECODE_TRANSPOSE_REDUCE
-#define PK_DECODE_TRANSPOSE_REDUCE 1
+#define PK_DECODE_TRANSPOSE_REDUCE 0
 #endif
 
 constexpr int PK_DECODE_THREADS = 128;
@@ -149,11 +151,13 @@ pk_decode_kernel(const PkAttnParams p) {
   // ---- phase 1: scores ----
   // After the transposing reduction, lane li holds head my_head's score; one lane per head
   // (the lowest of the lanes holding it) writes it.
+#if PK_DECODE_TRANSPOSE_REDUCE
   const int my_head = pk_transpose_sum_index<GROUP_TILE, TG>(li);
   const bool my_writer = (li & (TG / GROUP_TILE - 1)) == 0;
   const float my_slope = (p.alibi_slopes != nullptr && my_head < nh)
                              ? __ldg(static_cast<const float*>(p.alibi_slopes) + head0 + my_head)
                              : 0.f;
+#endif
   {
     const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_stride_head;
     for (int base = 0; base < n; base += S::ROWS_PER_STEP * S::UNROLL) {
