@@ -11,7 +11,7 @@ Two kernels (docs/triton.md):
     to GROUP_PAD >= 16 for tl.dot), so each K/V block is read once per KV head.
     Bytes moved: 2 * split_size * head_size * elem (K and V) + group * head_size * elem (Q) + the
     block-table entries; writes group * (head_size + 1) fp32 partials, or the final out/lse rows
-    when there is one split.
+    when there is one split and no forced split size.
     Invariants: split_size is a multiple of TILE_N; a program whose split (other than split 0)
     starts at or after seq_len writes nothing, and the reduce never reads it.
 
@@ -217,7 +217,9 @@ def paged_decode(p: AttentionProblem) -> None:
     split_size, num_splits = plan_splits(p, cfg.tile_n)
     group = p.num_queries_per_kv
     k, v, q = p.key_cache, p.value_cache, p.query
-    partial = num_splits > 1
+    # A forced split size always goes through the reduce, even with one split, so that a
+    # sequence takes the same path (hence the same bits) whatever the batch's table width.
+    partial = num_splits > 1 or fixed_split_size() is not None
     if partial:
         target = torch.empty(p.num_seqs, p.num_heads, num_splits, head_pad,
                              dtype=torch.float32, device=q.device)
