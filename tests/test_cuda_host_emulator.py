@@ -184,6 +184,13 @@ def test_dynamic_shared_memory_starts_poisoned(st):
 
 
 @host_only
+def test_static_shared_memory_of_template_kernels_starts_poisoned(st):
+    out = torch.zeros(40)
+    st.read_unwritten_static(out.data_ptr())
+    assert (out.view(torch.int32) == -1).all()
+
+
+@host_only
 def test_dynamic_shared_memory_limits(st):
     out = torch.zeros(64)
     with pytest.raises(RuntimeError, match="PK_SET_MAX_DYNAMIC_SMEM"):

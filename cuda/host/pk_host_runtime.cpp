@@ -32,6 +32,9 @@
 // Provided by the code host_build.py generates: the addresses (in the calling host thread) of the
 // buffers that back `extern __shared__` arrays. Returns how many it wrote (at most `max`).
 extern "C" int pk_host_dynamic_smem_regions(void** out, int max);
+// Likewise the static __shared__ arrays other files can reach (function-local statics of
+// template/inline kernels) and their sizes; returns how many there are (writes at most `max`).
+extern "C" int pk_host_static_smem_regions(void** out, size_t* bytes, int max);
 
 #if !defined(PK_HOST_USE_UCONTEXT)
 // pk_host_switch(save, load): saves the callee-saved registers and the SSE/x87 control words on
@@ -420,11 +423,22 @@ cudaError_t check_config(Worker& w, const void* kernel, dim3 grid, dim3 block, s
   return cudaSuccess;
 }
 
-void poison_dynamic_smem(size_t smem) {
-  if (smem == 0) return;
-  void* regions[64];
-  int n = pk_host_dynamic_smem_regions(regions, 64);
-  for (int i = 0; i < n; ++i) std::memset(regions[i], 0xff, smem);
+// Fills shared memory with 0xFF bytes (NaN in every float type) before a block runs.
+void poison_shared_memory(size_t smem) {
+  if (smem != 0) {
+    void* regions[64];
+    int n = pk_host_dynamic_smem_regions(regions, 64);
+    for (int i = 0; i < n; ++i) std::memset(regions[i], 0xff, smem);
+  }
+  thread_local std::vector<void*> statics;
+  thread_local std::vector<size_t> sizes;
+  if (statics.empty()) {
+    int n = pk_host_static_smem_regions(nullptr, nullptr, 0);
+    statics.resize(n);
+    sizes.resize(n);
+    pk_host_static_smem_regions(statics.data(), sizes.data(), n);
+  }
+  for (size_t i = 0; i < statics.size(); ++i) std::memset(statics[i], 0xff, sizes[i]);
 }
 
 }  // namespace
@@ -525,7 +539,7 @@ cudaError_t launch_grid(const void* kernel, dim3 grid, dim3 block, size_t smem_b
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
         tls_block_idx = uint3{x, y, z};
-        poison_dynamic_smem(smem_bytes);
+        poison_shared_memory(smem_bytes);
         if (!run_block(w)) {
           return record_error(w, cudaErrorLaunchFailure,
                               "kernel launch failed in block " + dims(tls_block_idx) + ": " +

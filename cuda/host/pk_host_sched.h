@@ -16,10 +16,11 @@
 //   PK_HOST_SEED; one warp runs as far as it can, up to a __syncthreads, before the next moves).
 //   A missing barrier shows up as a result that depends on the schedule.
 // - Static `__shared__` variables are `thread_local` (one host thread runs one block at a time, so
-//   all threads of a block see the same object; the next block finds the last one's contents,
-//   as uninitialised shared memory may on a GPU). Dynamic `extern __shared__` arrays are defined
-//   by the host build (host_build.py) as one buffer per name, filled with 0xFF bytes (NaN for
-//   every float type) at the start of every block, so reading before writing shows.
+//   all threads of a block see the same object). Dynamic `extern __shared__` arrays are defined
+//   by the host build (host_build.py) as one buffer per name. At the start of every block they,
+//   and the static arrays of template/inline kernels that the build found, are filled with 0xFF
+//   bytes (NaN for every float type), so reading before writing shows; other static arrays keep
+//   the previous block's contents, as uninitialised shared memory may on a GPU.
 #pragma once
 
 #include <cstddef>

@@ -64,6 +64,9 @@ PYBIND11_MODULE(PK_SELFTEST_MODULE, m) {
   m.def("read_unwritten", [](uintptr_t out, int n, long long smem_bytes, bool opt_in) {
     check(st_read_unwritten(ptr<float>(out), n, smem_bytes, opt_in));
   });
+  m.def("read_unwritten_static", [](uintptr_t out) {
+    check(st_read_unwritten_static(ptr<float>(out)));
+  });
   m.def("shuffles", [](uintptr_t in, uintptr_t out, uintptr_t out_d, uintptr_t out_i,
                        int threads) {
     check(st_shuffles(ptr<const float>(in), ptr<float>(out), ptr<double>(out_d), ptr<int>(out_i),

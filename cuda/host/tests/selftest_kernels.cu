@@ -287,3 +287,17 @@ const char* st_faulty(const char* which, float* out, const float* x) {
   else return "st_faulty: unknown kernel";
   return launch_result(cudaSuccess);
 }
+
+// Static shared memory of a template kernel with external linkage is poisoned at block start.
+namespace selftest {
+template <int N>
+__global__ void read_unwritten_static_kernel(float* out) {
+  __shared__ float never_written[N];
+  for (int i = threadIdx.x; i < N; i += blockDim.x) out[i] = never_written[i];
+}
+}  // namespace selftest
+
+const char* st_read_unwritten_static(float* out) {
+  PK_LAUNCH(selftest::read_unwritten_static_kernel<40>, 1, 32, 0, 0, out);
+  return PK_LAST_LAUNCH_ERROR();
+}

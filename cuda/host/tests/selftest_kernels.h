@@ -14,3 +14,4 @@ const char* st_mma(const uint16_t* a, const uint16_t* bt, const float* c, float*
 const char* st_coords(int* out, int gx, int gy, int gz, int bx, int by, int bz);
 const char* st_vector(const void* x, float* out, int threads);
 const char* st_faulty(const char* which, float* out, const float* x);
+const char* st_read_unwritten_static(float* out);
