@@ -55,6 +55,8 @@ CXX_FLAGS = (
 )
 
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\b[^;]*?\b(\w+)\s*\[\s*\]\s*;")
+#: Local statics of the C++ library and pybind11 (never __shared__, some not thread-local).
+_LIBRARY_STATICS = ("_ZZNSt", "_ZZNKSt", "_ZZSt", "_ZZN8pybind11", "_ZZNK8pybind11")
 _STATIC_SHARED = re.compile(r"__shared__\b[^;{}]*?\b(\w+)\s*(?:\[[^\]]*\]\s*)*;")
 _loaded: dict[str, ModuleType] = {}
 _announced: set[str] = set()
@@ -202,7 +204,7 @@ def _static_smem_symbols(scan: Sequence[Path], objs: Sequence[Path]) -> dict[str
     for fields in _nm(["--defined-only", "-S"], objs):
         sym, kind = fields[0], fields[1]
         if kind == "u" and sym.startswith("_ZZ") and len(fields) >= 4 and \
-                any(t.search(sym) for t in tails):
+                not sym.startswith(_LIBRARY_STATICS) and any(t.search(sym) for t in tails):
             found[sym] = int(fields[3], 16)
     return found
 
