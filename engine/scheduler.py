@@ -41,7 +41,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to compute and no block to move."""
+        return not (self.scheduled or self.swap_in or self.swap_out or self.block_copies)
 
 
 class Scheduler:
