@@ -86,7 +86,8 @@ class KVCache:
     def copy(self, pairs: Sequence[BlockCopy]) -> None:
         """Copy-on-write: device block `src` to device block `dst` for each pair, every layer."""
         if pairs:
-            copy_blocks(self.key_caches, self.value_caches, _mapping(pairs),
+            device = self.device_caches[0][0].device  # the mapping lives with the caches
+            copy_blocks(self.key_caches, self.value_caches, _mapping(pairs).to(device),
                         backend=self.backend)
 
     def swap_out(self, pairs: Sequence[BlockCopy]) -> None:
@@ -100,7 +101,7 @@ class KVCache:
     def _swap(self, src: list, dst: list, pairs: Sequence[BlockCopy]) -> None:
         if not pairs:
             return
-        mapping = _mapping(pairs)
+        mapping = _mapping(pairs)  # on the CPU, as swap_blocks requires
         for (sk, sv), (dk, dv) in zip(src, dst):
             swap_blocks(sk, dk, mapping, backend=self.backend)
             swap_blocks(sv, dv, mapping, backend=self.backend)
