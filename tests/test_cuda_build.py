@@ -55,6 +55,64 @@ def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
         assert not missing, f"{arch}: not compiled: {missing}"
 
 
+def _problem(dtype, heads: tuple[int, int], q_lens, head_size: int = 128, block_size: int = 16):
+    """A checked problem on the CPU (contents do not matter for planning)."""
+    import torch
+
+    num_heads, num_kv_heads = heads
+    num_seqs = 3
+    tokens = num_seqs if q_lens is None else sum(q_lens)
+    q = torch.zeros(tokens, num_heads, head_size, dtype=dtype)
+    cache = torch.zeros(40, num_kv_heads, block_size, head_size, dtype=dtype)
+    tables = torch.zeros(num_seqs, 12, dtype=torch.int32)
+    seq_lens = torch.full((num_seqs,), 100, dtype=torch.int32)
+    cu = None if q_lens is None else torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                                  dtype=torch.int32)
+    return pk.abi.check_attention_args(q, cache, cache, tables, seq_lens, cu_seqlens_q=cu)
+
+
+PLANNED = [(dtype, heads, q_lens) for dtype in ("float32", "float16", "bfloat16")
+           for heads in ((4, 4), (8, 4), (6, 2), (8, 1), (64, 2)) for q_lens in (None, [5, 1, 9])]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype,heads,q_lens", PLANNED)
+def test_every_launch_a_plan_makes_is_compiled(reports, dtype, heads, q_lens) -> None:
+    import torch
+
+    compiled = {r.name.split("(")[0].replace("void ", "") for r in reports}
+    problem = _problem(getattr(torch, dtype), heads, q_lens)
+    plan = ops.plan_attention(problem, num_sms=132)
+    values = ops.unpack("attn", ops.pack("attn", ops._attn_values(
+        problem, plan, problem.query, problem.key_cache, problem.value_cache, problem.out, None)))
+    for name, grid, threads, smem in ops.attention_launches(values):
+        assert name in compiled, f"{name} is launched by the plan but not compiled"
+        assert threads == ops.THREADS and min(grid) >= 1 and smem >= 0
+
+
+def test_jit_launches_exactly_the_planned_kernels() -> None:
+    """jit.JitModule's dispatch, without CuPy or a GPU: the launches it would make."""
+    import torch
+
+    from cuda.paged_cuda import jit
+
+    module = jit.JitModule.__new__(jit.JitModule)
+    calls = []
+    module._run = lambda header, name, grid, threads, smem, stream, params: calls.append(
+        (header, name, grid, smem))
+    problem = _problem(torch.bfloat16, (32, 8), None)
+    plan = ops.plan_attention(problem, num_sms=132)
+    values = ops._attn_values(problem, plan, problem.query, problem.key_cache,
+                              problem.value_cache, problem.out, None)
+    module.paged_attention(ops.pack("attn", values), 0)
+    expected = [("pk_decode.cuh", f"pk_decode_kernel<__nv_bfloat16, 128, 4>", plan.grid,
+                 plan.smem_bytes)]
+    if plan.num_splits > 1:
+        expected.append(("pk_decode.cuh", "pk_decode_reduce_kernel<__nv_bfloat16>",
+                         (32, 3, 1), 0))
+    assert calls == expected
+
+
 def test_ptxas_report_parser_reads_spills_and_registers() -> None:
     log = """ptxas info    : Compiling entry function '_Z3fooi' for 'sm_90'
 ptxas info    : Function properties for _Z3fooi

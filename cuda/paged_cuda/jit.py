@@ -28,7 +28,6 @@ from cuda.paged_cuda import ops
 log = logging.getLogger("paged_kernels.cuda")
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-_DTYPES = {0: "float", 1: "__half", 2: "__nv_bfloat16"}
 _COPY_UNITS = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t"}
 _lock = threading.Lock()
 _announced = False
@@ -129,20 +128,9 @@ class JitModule:
 
     def paged_attention(self, params: bytes, stream: int) -> None:
         """Launches the kernels the plan inside `params` names (as pk_launch.cuh would)."""
-        v = ops.unpack("attn", params)
-        t, d = _DTYPES[v["dtype"]], v["head_size"]
-        grid = (v["grid_x"], v["grid_y"], v["grid_z"])
-        if v["kernel"] == ops.KERNEL_DECODE:
-            self._run("pk_decode.cuh", f"pk_decode_kernel<{t}, {d}, {v['group_tile']}>", grid,
-                      v["threads"], v["smem_bytes"], stream, params)
-            if v["num_splits"] > 1:
-                self._run("pk_decode.cuh", f"pk_decode_reduce_kernel<{t}>",
-                          (v["reduce_grid_x"], v["reduce_grid_y"], 1), v["reduce_threads"], 0,
-                          stream, params)
-            return
-        kind = "mma" if v["kernel"] == ops.KERNEL_VARLEN_MMA else "simt"
-        self._run("pk_varlen.cuh", f"pk_varlen_{kind}_kernel<{t}, {d}>", grid, v["threads"],
-                  v["smem_bytes"], stream, params)
+        for name, grid, threads, smem in ops.attention_launches(ops.unpack("attn", params)):
+            header = "pk_decode.cuh" if name.startswith("pk_decode") else "pk_varlen.cuh"
+            self._run(header, name, grid, threads, smem, stream, params)
 
     def write_kv(self, params: bytes, stream: int) -> None:
         v = ops.unpack("write_kv", params)

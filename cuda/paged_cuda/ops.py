@@ -206,17 +206,24 @@ def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
                          (0, 0))
 
 
-def kernel_names(plan: AttentionPlan, dtype: torch.dtype, head_size: int) -> list[str]:
-    """The template instantiations a plan launches (the JIT path compiles these by name)."""
-    t = CTYPES[dtype]
-    if plan.kernel == KERNEL_DECODE:
-        names = [f"pk_decode_kernel<{t}, {head_size}, {plan.group_tile}>"]
-        if plan.num_splits > 1:
-            names.append(f"pk_decode_reduce_kernel<{t}>")
-        return names
-    if plan.kernel == KERNEL_VARLEN_MMA:
-        return [f"pk_varlen_mma_kernel<{t}, {head_size}>"]
-    return [f"pk_varlen_simt_kernel<{t}, {head_size}>"]
+_CTYPE_OF_CODE = {code: CTYPES[dtype] for dtype, code in DTYPE_CODES.items()}
+
+
+def attention_launches(v: dict[str, Any]) -> list[tuple[str, tuple[int, int, int], int, int]]:
+    """The launches the plan inside unpacked attention params `v` makes, in order: (template
+    instantiation, grid, threads, dynamic shared memory). This is what pk_launch.cuh dispatches
+    to; the JIT path launches exactly these."""
+    t, d = _CTYPE_OF_CODE[v["dtype"]], v["head_size"]
+    grid = (v["grid_x"], v["grid_y"], v["grid_z"])
+    if v["kernel"] == KERNEL_DECODE:
+        launches = [(f"pk_decode_kernel<{t}, {d}, {v['group_tile']}>", grid, v["threads"],
+                     v["smem_bytes"])]
+        if v["num_splits"] > 1:
+            launches.append((f"pk_decode_reduce_kernel<{t}>",
+                             (v["reduce_grid_x"], v["reduce_grid_y"], 1), v["reduce_threads"], 0))
+        return launches
+    kind = "mma" if v["kernel"] == KERNEL_VARLEN_MMA else "simt"
+    return [(f"pk_varlen_{kind}_kernel<{t}, {d}>", grid, v["threads"], v["smem_bytes"])]
 
 
 # ---------------------------------------------------------------------------------------------
