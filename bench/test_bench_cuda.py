@@ -32,8 +32,8 @@ if BACKEND not in pk.available_backends():
 
 DEVICE = "cuda" if GPU else "cpu"
 DTYPE = torch.bfloat16 if GPU else torch.float32
-HEADS = dict(num_heads=32, num_kv_heads=8, head_size=128) if GPU else \
-    dict(num_heads=4, num_kv_heads=2, head_size=64)
+HEADS = ({"num_heads": 32, "num_kv_heads": 8, "head_size": 128} if GPU
+         else {"num_heads": 4, "num_kv_heads": 2, "head_size": 64})
 # (batch, context, q_len); the first decode shape is the target.
 DECODE = [(32, 4096, 1), (128, 4096, 1), (1, 16384, 1), (8, 32768, 1)] if GPU else [(2, 64, 1)]
 PREFILL = [(1, 4096, 4096), (8, 8192, 512)] if GPU else [(1, 48, 48)]

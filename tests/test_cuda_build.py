@@ -44,7 +44,7 @@ def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
     head_sizes = ops.HEAD_SIZES if full else ops.REDUCED_HEAD_SIZES
     compiled = {(r.arch, r.name.split("(")[0].replace("void ", "")) for r in reports}
     wanted = set()
-    for dtype, ctype in ops.CTYPES.items():
+    for ctype in ops.CTYPES.values():
         for d in head_sizes:
             wanted |= {f"pk_decode_kernel<{ctype}, {d}, {g}>" for g in ops.GROUP_TILES}
             kind = "simt" if ctype == "float" else "mma"
@@ -105,7 +105,7 @@ def test_jit_launches_exactly_the_planned_kernels() -> None:
     values = ops._attn_values(problem, plan, problem.query, problem.key_cache,
                               problem.value_cache, problem.out, None)
     module.paged_attention(ops.pack("attn", values), 0)
-    expected = [("pk_decode.cuh", f"pk_decode_kernel<__nv_bfloat16, 128, 4>", plan.grid,
+    expected = [("pk_decode.cuh", "pk_decode_kernel<__nv_bfloat16, 128, 4>", plan.grid,
                  plan.smem_bytes)]
     if plan.num_splits > 1:
         expected.append(("pk_decode.cuh", "pk_decode_reduce_kernel<__nv_bfloat16>",

@@ -9,16 +9,16 @@ CUDA device, so on a CPU-only machine the backend is simply absent.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
+from cuda.paged_cuda import ops
 from paged_kernels.abi import AttentionProblem, Support
 from paged_kernels.backends import Backend, BackendUnavailable
-from cuda.paged_cuda import ops
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

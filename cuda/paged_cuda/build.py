@@ -24,10 +24,10 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 EXT_NAME = "_pk_cuda"
@@ -43,7 +43,7 @@ class BuildError(RuntimeError):
     """nvcc/ninja/the host compiler is missing or failed; the message has its output."""
 
 
-def find_nvcc() -> Optional[str]:
+def find_nvcc() -> str | None:
     """`$CUDA_HOME/bin/nvcc` (or CUDA_PATH), else nvcc on PATH, else None."""
     for env in ("CUDA_HOME", "CUDA_PATH"):
         root = os.environ.get(env)
@@ -113,7 +113,7 @@ def parse_ptxas(text: str) -> list[KernelReport]:
     """Kernel entries of a `-Xptxas -v` log (functions that are not entries are ignored)."""
     found: list[tuple[str, str, int, int, int, int]] = []
     name = arch = None
-    spill: Optional[tuple[int, int, int]] = None
+    spill: tuple[int, int, int] | None = None
     for line in text.splitlines():
         m = _ENTRY.search(line)
         if m:
@@ -202,8 +202,8 @@ def _write_ninja(build_dir: Path, nvcc: str, nvcc_flags: Sequence[str], host_cmd
     e = _ninja_escape
     lines = [
         "rule nvcc",
-        f"  command = {e(nvcc)} {' '.join(map(e, nvcc_flags))} -c $in -o $out > $out.log 2>&1"
-        " || (cat $out.log; exit 1)",
+        (f"  command = {e(nvcc)} {' '.join(map(e, nvcc_flags))} -c $in -o $out > $out.log 2>&1"
+         " || (cat $out.log; exit 1)"),
         "  description = nvcc $in",
         "rule host",
         "  command = " + " ".join(map(e, host_cmd)),
@@ -220,8 +220,8 @@ def _write_ninja(build_dir: Path, nvcc: str, nvcc_flags: Sequence[str], host_cmd
     (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
 
 
-def build_extension(out_dir: Path, archs: Optional[Sequence[str]] = None, *,
-                    reduced: bool = False, jobs: Optional[int] = None) -> tuple[Path, str]:
+def build_extension(out_dir: Path, archs: Sequence[str] | None = None, *,
+                    reduced: bool = False, jobs: int | None = None) -> tuple[Path, str]:
     """Builds `out_dir/_pk_cuda<EXT_SUFFIX>`; returns (path, ptxas report text)."""
     nvcc = find_nvcc()
     if nvcc is None:
@@ -257,7 +257,7 @@ def build_extension(out_dir: Path, archs: Optional[Sequence[str]] = None, *,
     return output, format_report(parse_ptxas(logs))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build the _pk_cuda extension with nvcc.")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--archs", default=None,

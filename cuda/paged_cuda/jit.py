@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from cuda.paged_cuda import ops
 
@@ -142,10 +142,3 @@ class JitModule:
         self._run("pk_cache.cuh", f"pk_copy_blocks_kernel<{_COPY_UNITS[v['unit_bytes']]}>",
                   (v["grid_x"], v["grid_y"], 1), v["threads"], 0, stream, params)
 
-
-def jit_module() -> Optional[JitModule]:
-    """A JitModule, or None when CuPy is not installed."""
-    try:
-        return JitModule()
-    except ImportError:
-        return None

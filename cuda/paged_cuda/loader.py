@@ -13,7 +13,6 @@ import importlib.util
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
 
 from cuda.paged_cuda import ops
 
@@ -21,7 +20,7 @@ EXT_NAME = "_pk_cuda"
 EXT_DIR_ENV = "PAGED_KERNELS_CUDA_EXT_DIR"
 
 
-def _from_dir(directory: str) -> Optional[ModuleType]:
+def _from_dir(directory: str) -> ModuleType | None:
     for path in sorted(Path(directory).glob(f"{EXT_NAME}*.so")):
         spec = importlib.util.spec_from_file_location(EXT_NAME, path)
         if spec is not None and spec.loader is not None:
@@ -31,7 +30,7 @@ def _from_dir(directory: str) -> Optional[ModuleType]:
     return None
 
 
-def aot_extension() -> Optional[ModuleType]:
+def aot_extension() -> ModuleType | None:
     """The built extension, or None when there is none (import errors other than "not found"
     propagate: a broken build should be seen, not skipped)."""
     directory = os.environ.get(EXT_DIR_ENV)

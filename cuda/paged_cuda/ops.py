@@ -23,9 +23,10 @@ import math
 import os
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -62,8 +63,9 @@ def support(device_types: Sequence[str], head_sizes: Sequence[int] = HEAD_SIZES)
         device_types=frozenset(device_types),
         features=frozenset(FEATURES),
         head_sizes=frozenset(head_sizes),
-        reasons=(("head_sizes", "kernels are instantiated per head size (a multiple of 16 for "
-                                "the tensor-core path); see PK_HEAD_SIZES in cuda/csrc/pk_launch.cuh"),),
+        reasons=(("head_sizes", ("kernels are instantiated per head size (a multiple of 16 "
+                                 "for the tensor-core path); see PK_HEAD_SIZES in "
+                                 "cuda/csrc/pk_launch.cuh")),),
     )
 
 
@@ -77,7 +79,7 @@ _STRUCT_MACROS = {"attn": "PK_ATTN_FIELDS", "write_kv": "PK_WRITE_KV_FIELDS",
 
 def _read_fields(macro: str) -> tuple[tuple[str, str], ...]:
     text = (CSRC_DIR / "pk_ops.h").read_text()
-    m = re.search(rf"#define {macro}\(P, I, F\)(.*?)(?:\n\n|\n#define|\nstruct)", text, re.S)
+    m = re.search(rf"#define {macro}\(P, I, F\)(.*?)(?:\n\n|\n#define|\nstruct)", text, re.DOTALL)
     if m is None:
         raise RuntimeError(f"cannot find {macro} in {CSRC_DIR / 'pk_ops.h'}")
     return tuple((name, kind.lower()) for kind, name in re.findall(r"\b([PIF])\((\w+)\)",
@@ -177,7 +179,7 @@ def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     return plan
 
 
-_plans: dict[tuple, "AttentionPlan"] = {}
+_plans: dict[tuple, AttentionPlan] = {}
 
 
 def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
@@ -256,34 +258,34 @@ def _aligned_cache(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _attn_values(p: AttentionProblem, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, out: torch.Tensor, part: Optional[tuple[torch.Tensor, ...]]
+                 v: torch.Tensor, out: torch.Tensor, part: tuple[torch.Tensor, ...] | None
                  ) -> dict[str, Any]:
-    def ptr(t: Optional[torch.Tensor]) -> int:
+    def ptr(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.data_ptr()
 
     part_out, part_m, part_l = part if part is not None else (None, None, None)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-    return dict(
-        q=q.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(),
-        block_tables=p.block_tables.data_ptr(), seq_lens=p.seq_lens.data_ptr(),
-        cu_seqlens_q=ptr(p.cu_seqlens_q), alibi_slopes=ptr(p.alibi_slopes),
-        out=out.data_ptr(), lse=ptr(p.lse), part_out=ptr(part_out), part_m=ptr(part_m),
-        part_l=ptr(part_l),
-        q_stride_token=qs[0], q_stride_head=qs[1],
-        k_stride_block=ks[0], k_stride_head=ks[1], k_stride_slot=ks[2],
-        v_stride_block=vs[0], v_stride_head=vs[1], v_stride_slot=vs[2],
-        o_stride_token=os_[0], o_stride_head=os_[1], bt_stride=p.block_tables.stride(0),
-        num_seqs=p.num_seqs, num_tokens=p.num_tokens, num_heads=p.num_heads,
-        num_kv_heads=p.num_kv_heads, head_size=p.head_size, block_size=p.block_size,
-        group=p.num_queries_per_kv, heads_per_cta=plan.heads_per_cta,
-        num_head_chunks=plan.num_head_chunks, num_splits=plan.num_splits,
-        partition_size=plan.partition_size, sliding_window=p.sliding_window or 0,
-        dtype=DTYPE_CODES[p.query.dtype], kernel=plan.kernel, group_tile=plan.group_tile,
-        q_tile_tokens=plan.q_tile_tokens, grid_x=plan.grid[0], grid_y=plan.grid[1],
-        grid_z=plan.grid[2], threads=THREADS, smem_bytes=plan.smem_bytes,
-        reduce_grid_x=plan.reduce_grid[0], reduce_grid_y=plan.reduce_grid[1],
-        reduce_threads=THREADS, scale=p.scale, soft_cap=float(p.soft_cap or 0.0),
-    )
+    return {
+        "q": q.data_ptr(), "k_cache": k.data_ptr(), "v_cache": v.data_ptr(),
+        "block_tables": p.block_tables.data_ptr(), "seq_lens": p.seq_lens.data_ptr(),
+        "cu_seqlens_q": ptr(p.cu_seqlens_q), "alibi_slopes": ptr(p.alibi_slopes),
+        "out": out.data_ptr(), "lse": ptr(p.lse), "part_out": ptr(part_out), "part_m": ptr(part_m),
+        "part_l": ptr(part_l),
+        "q_stride_token": qs[0], "q_stride_head": qs[1],
+        "k_stride_block": ks[0], "k_stride_head": ks[1], "k_stride_slot": ks[2],
+        "v_stride_block": vs[0], "v_stride_head": vs[1], "v_stride_slot": vs[2],
+        "o_stride_token": os_[0], "o_stride_head": os_[1], "bt_stride": p.block_tables.stride(0),
+        "num_seqs": p.num_seqs, "num_tokens": p.num_tokens, "num_heads": p.num_heads,
+        "num_kv_heads": p.num_kv_heads, "head_size": p.head_size, "block_size": p.block_size,
+        "group": p.num_queries_per_kv, "heads_per_cta": plan.heads_per_cta,
+        "num_head_chunks": plan.num_head_chunks, "num_splits": plan.num_splits,
+        "partition_size": plan.partition_size, "sliding_window": p.sliding_window or 0,
+        "dtype": DTYPE_CODES[p.query.dtype], "kernel": plan.kernel, "group_tile": plan.group_tile,
+        "q_tile_tokens": plan.q_tile_tokens, "grid_x": plan.grid[0], "grid_y": plan.grid[1],
+        "grid_z": plan.grid[2], "threads": THREADS, "smem_bytes": plan.smem_bytes,
+        "reduce_grid_x": plan.reduce_grid[0], "reduce_grid_y": plan.reduce_grid[1],
+        "reduce_threads": THREADS, "scale": p.scale, "soft_cap": float(p.soft_cap or 0.0),
+    }
 
 
 def paged_attention(ext: Extension, p: AttentionProblem, stream: int, num_sms: int) -> None:
@@ -341,15 +343,15 @@ def write_kv(ext: Extension, key: torch.Tensor, value: torch.Tensor, key_cache: 
                         value_cache.data_ptr(), *ks[:2], *vs[:2], *kc[:3], *vc[:3]])
     if unit < 2:
         raise AssertionError("element rows are at least 2-byte aligned")
-    values = dict(
-        key=key.data_ptr(), value=value.data_ptr(), k_cache=key_cache.data_ptr(),
-        v_cache=value_cache.data_ptr(), slot_mapping=slots.data_ptr(),
-        key_stride_token=ks[0], key_stride_head=ks[1], value_stride_token=vs[0],
-        value_stride_head=vs[1], k_stride_block=kc[0], k_stride_head=kc[1], k_stride_slot=kc[2],
-        v_stride_block=vc[0], v_stride_head=vc[1], v_stride_slot=vc[2],
-        num_tokens=key.shape[0], num_kv_heads=key.shape[1], block_size=key_cache.shape[2],
-        num_slots=key_cache.shape[0] * key_cache.shape[2], row_bytes=row, unit_bytes=unit,
-        grid_x=key.shape[0], grid_y=1, threads=THREADS)
+    values = {
+        "key": key.data_ptr(), "value": value.data_ptr(), "k_cache": key_cache.data_ptr(),
+        "v_cache": value_cache.data_ptr(), "slot_mapping": slots.data_ptr(),
+        "key_stride_token": ks[0], "key_stride_head": ks[1], "value_stride_token": vs[0],
+        "value_stride_head": vs[1], "k_stride_block": kc[0], "k_stride_head": kc[1], "k_stride_slot": kc[2],
+        "v_stride_block": vc[0], "v_stride_head": vc[1], "v_stride_slot": vc[2],
+        "num_tokens": key.shape[0], "num_kv_heads": key.shape[1], "block_size": key_cache.shape[2],
+        "num_slots": key_cache.shape[0] * key_cache.shape[2], "row_bytes": row, "unit_bytes": unit,
+        "grid_x": key.shape[0], "grid_y": 1, "threads": THREADS}
     ext.write_kv(pack("write_kv", values), stream)
 
 
@@ -358,13 +360,13 @@ def _copy_values(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, mapping: torch.
     ss, ds = _byte_strides(src), _byte_strides(dst)
     row = src.shape[3] * src.element_size()
     unit = _unit_bytes([row, *addresses, *ss[:3], *ds[:3]])
-    return dict(
-        src_caches=src_ptrs.data_ptr(), dst_caches=dst_ptrs.data_ptr(),
-        mapping=mapping.data_ptr(), num_caches=src_ptrs.numel(), num_pairs=mapping.shape[0],
-        num_kv_heads=src.shape[1], block_size=src.shape[2], row_bytes=row, unit_bytes=unit,
-        src_stride_block=ss[0], src_stride_head=ss[1], src_stride_slot=ss[2],
-        dst_stride_block=ds[0], dst_stride_head=ds[1], dst_stride_slot=ds[2],
-        grid_x=mapping.shape[0], grid_y=src_ptrs.numel(), threads=THREADS)
+    return {
+        "src_caches": src_ptrs.data_ptr(), "dst_caches": dst_ptrs.data_ptr(),
+        "mapping": mapping.data_ptr(), "num_caches": src_ptrs.numel(), "num_pairs": mapping.shape[0],
+        "num_kv_heads": src.shape[1], "block_size": src.shape[2], "row_bytes": row, "unit_bytes": unit,
+        "src_stride_block": ss[0], "src_stride_head": ss[1], "src_stride_slot": ss[2],
+        "dst_stride_block": ds[0], "dst_stride_head": ds[1], "dst_stride_slot": ds[2],
+        "grid_x": mapping.shape[0], "grid_y": src_ptrs.numel(), "threads": THREADS}
 
 
 def _check_block_ids(arg: str, ids: torch.Tensor, num_blocks: int) -> None:
