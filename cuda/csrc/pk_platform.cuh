@@ -26,7 +26,7 @@
 //      per kernel, 16-byte aligned); its size is the launch's smem_bytes.
 //  R5. Kernels take one parameter struct by value (`const PkAttnParams p`), nothing else.
 //  R6. `__launch_bounds__(N)` and `__launch_bounds__(N, M)` are used on kernels.
-//  R7. BLOCKING, seen here: `extern __shared__ float4 pk_smem4[];` is declared inside function
+//  R7. (Done: host_build.py passes -fno-extern-tls-init.) Was blocking: `extern __shared__ float4 pk_smem4[];` is declared inside function
 //      templates in several translation units; g++ then calls the weak TLS init function
 //      `_ZTH8pk_smem4` unconditionally (a call to address 0, SIGSEGV in pk_decode_kernel). Compiling
 //      with `-fno-extern-tls-init` fixes it (checked: decode and varlen then match the reference).
