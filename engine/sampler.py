@@ -56,75 +56,101 @@ class Sampler:
             raise ValueError(f"logits: expected a [{len(states)}, vocab] tensor (one row per "
                              f"state), got shape {tuple(logits.shape)}")
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
         x = self.processed_logits(logits, states)
         params = [s.params for s in states]
-        greedy = torch.tensor([p.greedy for p in params])
-        chosen = x.argmax(dim=-1)
-        if not bool(greedy.all()):
-            rows = torch.nonzero(~greedy).flatten()
-            probs = sampling_probs(x[rows], [params[i] for i in rows.tolist()])
-            drawn = _draw(probs, [states[i].generator for i in rows.tolist()])
-            chosen[rows] = drawn
+        chosen = torch.empty(len(states), dtype=torch.long)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        for subset, pick in ((greedy, self._greedy), (rows, self._random)):
+            if len(subset) == len(states):
+                chosen = pick(x, subset, states)
+            elif subset:
+                chosen[subset] = pick(x[subset], subset, states)
+        lse = torch.logsumexp(logits, dim=-1)
         token_ids = chosen.tolist()
-        chosen_lp = raw_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
-        return SamplerOutput(token_ids, chosen_lp, _top_logprobs(raw_logprobs, params, token_ids,
-                                                                 chosen_lp))
+        chosen_lp = (logits.gather(1, chosen[:, None]).squeeze(1) - lse).tolist()
+        top = _top_logprobs(logits, lse, params, token_ids, chosen_lp)
+        return SamplerOutput(token_ids, chosen_lp, top)
+
+    @staticmethod
+    def _greedy(x: torch.Tensor, rows: list[int], states: list[SamplingState]) -> torch.Tensor:
+        return x.argmax(dim=-1)
+
+    @staticmethod
+    def _random(x: torch.Tensor, rows: list[int], states: list[SamplingState]) -> torch.Tensor:
+        probs = sampling_probs(x, [states[i].params for i in rows])
+        return _draw(probs, [states[i].generator for i in rows])
 
     def processed_logits(self, logits: torch.Tensor,
                          states: list[SamplingState]) -> torch.Tensor:
-        """A copy of `logits` (float32 `[N, vocab]`) with the penalties applied and, for rows
-        short of `min_tokens`, EOS / `stop_token_ids` set to -inf. Greedy rows take its argmax;
-        the others sample from `sampling_probs` of it."""
-        x = logits.float().clone()
-        _apply_penalties(x, states)
-        self._mask_until_min_tokens(x, states)
+        """`logits` (float32 `[N, vocab]`) with the penalties applied and, for rows short of
+        `min_tokens`, EOS / `stop_token_ids` set to -inf; a copy when anything changes (the
+        input is never modified). Greedy rows take its argmax; the others sample from
+        `sampling_probs` of it."""
+        x = logits.float()
+        penalised = [i for i, s in enumerate(states) if _has_penalty(s)]
+        masks = [(i, ids) for i, ids in enumerate(self._min_tokens_bans(states, x.shape[1]))
+                 if ids]
+        if penalised or masks:
+            x = x.clone()
+            _apply_penalties(x, [(i, states[i]) for i in penalised])
+            for i, ids in masks:
+                x[i, ids] = float("-inf")
         return x
 
-    def _mask_until_min_tokens(self, x: torch.Tensor, states: list[SamplingState]) -> None:
-        for i, s in enumerate(states):
+    def _min_tokens_bans(self, states: list[SamplingState], vocab: int) -> list[list[int]]:
+        """Per row, the ids that may not be sampled yet (EOS and stop ids before min_tokens)."""
+        bans = []
+        for s in states:
             p = s.params
-            if len(s.output_token_ids) >= p.min_tokens:
-                continue
-            banned = set(p.stop_token_ids or ())
-            if not p.ignore_eos:
-                banned |= self.eos_token_ids | s.eos_token_ids
-            ids = [t for t in banned if 0 <= t < x.shape[1]]
-            if ids:
-                x[i, ids] = float("-inf")
+            banned: set[int] = set()
+            if len(s.output_token_ids) < p.min_tokens:
+                banned = set(p.stop_token_ids or ())
+                if not p.ignore_eos:
+                    banned |= self.eos_token_ids | s.eos_token_ids
+            bans.append(sorted(t for t in banned if 0 <= t < vocab))
+        return bans
 
 
-def _apply_penalties(x: torch.Tensor, states: list[SamplingState]) -> None:
+def _has_penalty(s: SamplingState) -> bool:
+    p = s.params
+    return p.repetition_penalty != 1.0 or bool(
+        (p.presence_penalty or p.frequency_penalty) and len(s.output_token_ids))
+
+
+def _apply_penalties(x: torch.Tensor, rows: list[tuple[int, SamplingState]]) -> None:
     """Repetition penalty over prompt + output tokens; presence and frequency penalties over the
-    output tokens (vLLM's definitions). In place, on the rows that set any."""
+    output tokens (vLLM's definitions). In place, on the given rows."""
     vocab = x.shape[1]
-    for i, s in enumerate(states):
+    for i, s in rows:
         p = s.params
+        output = torch.tensor(list(s.output_token_ids), dtype=torch.long)
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool)
             seen[torch.tensor(list(s.prompt_token_ids), dtype=torch.long)] = True
-            seen[torch.tensor(list(s.output_token_ids), dtype=torch.long)] = True
+            seen[output] = True
             row = x[i]
             penalised = torch.where(row > 0, row / p.repetition_penalty,
                                     row * p.repetition_penalty)
             x[i] = torch.where(seen, penalised, row)
-        if (p.presence_penalty or p.frequency_penalty) and len(s.output_token_ids):
-            counts = torch.bincount(torch.tensor(list(s.output_token_ids), dtype=torch.long),
-                                    minlength=vocab)[:vocab].float()
+        if (p.presence_penalty or p.frequency_penalty) and output.numel():
+            counts = torch.bincount(output, minlength=vocab)[:vocab].float()
             x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+#: How many of the best tokens top-p examines first, then next, before sorting a whole row.
+_CANDIDATES = (256, 4096)
 
 
 def sampling_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution a non-greedy row samples from: softmax of `x / temperature` restricted
     by top-k, then top-p, then min-p (dropped tokens get probability 0, the rest are
-    renormalised). `x` is `[R, vocab]`, one row per params."""
+    renormalised). `x` is `[R, vocab]`, one row per params. A token tied with the last kept one
+    is kept too."""
     temps = torch.tensor([p.temperature for p in params], dtype=x.dtype)
-    x = x / temps[:, None]
-    vocab = x.shape[1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype)
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
-        x = _top_k_top_p(x, top_k, top_p)
+    if bool((temps != 1.0).any()):
+        x = x / temps[:, None]
+    x = _top_k_top_p(x, params)
     probs = torch.softmax(x, dim=-1)
     min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype)
     if bool((min_p > 0).any()):
@@ -134,42 +160,93 @@ def sampling_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     return probs
 
 
-def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Sets to -inf every logit outside the row's `top_k` best, then outside the smallest set of
-    best tokens whose probability (after top-k) reaches `top_p`. Ties broken by the sort."""
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    rank = torch.arange(x.shape[1])[None, :]
-    sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_x, dim=-1)
+def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Sets to -inf, per row, every logit below the last token kept by top-k then top-p.
+
+    Only the best few logits are sorted (`topk` of `_CANDIDATES[0]`, or of the largest top_k);
+    rows whose top-p nucleus may extend past them are redone with more, then with a full sort.
+    Either way a row's kept set depends on that row alone."""
+    vocab = x.shape[1]
+    rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if not rows:
+        return x
+    sub = x[rows]
+    top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab
+                          for i in rows])
+    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64)
+    threshold = torch.empty(len(rows), 1, dtype=x.dtype)
+    pending = torch.arange(len(rows))
+    for width in (*_CANDIDATES, vocab):
+        part, part_k = sub[pending], top_k[pending]
+        k = min(vocab, max([width] + [int(t) for t in part_k if t < vocab]))
+        values = part.topk(k, dim=-1, sorted=True).values if k < vocab else \
+            part.sort(dim=-1, descending=True).values
+        n_keep, incomplete = _kept_counts(part, values, part_k, top_p[pending])
+        done = ~incomplete
+        threshold[pending[done]] = values[done].gather(1, (n_keep[done] - 1)[:, None])
+        pending = pending[incomplete]
+        if not len(pending):
+            break
+    if len(rows) == x.shape[0]:
+        return sub.masked_fill_(sub < threshold, float("-inf"))  # sub is a copy already
+    x = x.clone()
+    x[rows] = sub.masked_fill(sub < threshold, float("-inf"))
+    return x
+
+
+def _kept_counts(sub: torch.Tensor, values: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many of the best tokens (`values`, sorted, a prefix of each row of `sub`) top-k then
+    top-p keep, and whether that count may be cut short by the prefix's length."""
+    k = values.shape[1]
+    rank = torch.arange(k)[None, :]
+    in_k = rank < top_k[:, None]
+    # normalise over the top-k when it is set (all inside the prefix), else over the whole row
+    limited = (top_k <= k)[:, None]
+    # float64: which token crosses top_p is decided by a long sum
+    masked = values.double().masked_fill(~in_k, float("-inf"))
+    lse = torch.logsumexp(masked, dim=-1, keepdim=True)
+    if not bool(limited.all()):
+        lse = torch.where(limited, lse, torch.logsumexp(sub.double(), dim=-1, keepdim=True))
+    probs = torch.exp(masked - lse)
     before = probs.cumsum(dim=-1) - probs  # probability of the strictly better-ranked tokens
     # top_p == 1 keeps everything, even where rounding lets `before` reach 1
-    drop = (before >= top_p[:, None]) & (rank > 0) & (top_p[:, None] < 1.0)
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
+    keep = in_k & ((before < top_p[:, None]) | (rank == 0) | (top_p[:, None] >= 1.0))
+    n_keep = keep.sum(dim=-1)
+    incomplete = keep[:, -1] & ~limited[:, 0] & (k < sub.shape[1])
+    return n_keep, incomplete
 
 
 def _draw(probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
-    """One token per row, with probability proportional to `probs`, each row drawing from its own
-    generator: argmax of probs / E with E ~ Exponential(1) (the exponential-race method)."""
-    noise = torch.empty_like(probs)
+    """One token per row with probability proportional to `probs`, by inverting the row's
+    cumulative distribution at one uniform draw from the row's own generator (or torch's global
+    one)."""
+    u = torch.empty(probs.shape[0], dtype=probs.dtype)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_()
+        u[unseeded] = torch.rand(len(unseeded), dtype=probs.dtype)
     for i, g in enumerate(generators):
         if g is not None:
-            noise[i].exponential_(generator=g)
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a draw of exactly 0 would divide by 0
-    return (probs / noise).argmax(dim=-1)
+            u[i] = torch.rand(1, generator=g, dtype=probs.dtype)[0]
+    cdf = probs.cumsum(dim=-1)
+    # side="right": the first token whose cdf exceeds the draw; zero-probability tokens have
+    # the same cdf as their predecessor, so they are never that token
+    target = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
-def _top_logprobs(raw: torch.Tensor, params: list[SamplingParams], token_ids: list[int],
-                  chosen_lp: list[float]) -> list[Optional[dict[int, float]]]:
+def _top_logprobs(logits: torch.Tensor, lse: torch.Tensor, params: list[SamplingParams],
+                  token_ids: list[int], chosen_lp: list[float]
+                  ) -> list[Optional[dict[int, float]]]:
+    """For rows with `logprobs=n`: the n best raw log-probabilities plus the chosen token's."""
     wanted = [p.logprobs for p in params]
     result: list[Optional[dict[int, float]]] = [None] * len(params)
     k = max((n for n in wanted if n is not None), default=None)
     if k is None:
         return result
-    values, ids = raw.topk(min(k, raw.shape[1]), dim=-1) if k else (None, None)
+    if k:
+        values, ids = logits.topk(min(k, logits.shape[1]), dim=-1)
+        values = values - lse[:, None]
     for i, n in enumerate(wanted):
         if n is None:
             continue

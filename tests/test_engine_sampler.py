@@ -139,6 +139,8 @@ def _hand_probs(row: list[float], p: SamplingParams) -> list[float]:
         if t in keep and mass < p.top_p:
             kept.add(t)
             mass += math.exp(x[t]) / z
+    last = min(x[t] for t in kept)
+    kept = {t for t in range(len(x)) if x[t] >= last}  # a token tied with the last kept one too
     z = sum(math.exp(x[t]) for t in kept)
     probs = [math.exp(x[t]) / z if t in kept else 0.0 for t in range(len(x))]
     biggest = max(probs)
@@ -162,6 +164,20 @@ def test_sampling_probs_match_hand_computation(params):
     for i in (0, 2):
         assert got[i].tolist() == pytest.approx(_hand_probs(logits[i].tolist(), params),
                                                 abs=1e-6)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_p=0.9), SamplingParams(top_p=0.3),
+                                    SamplingParams(top_k=1500, top_p=0.95)])
+def test_sampling_probs_with_a_large_nucleus(params):
+    # a flat row over 9000 tokens: the nucleus holds more than the first candidates
+    torch.manual_seed(3)
+    logits = torch.randn(2, 9000) * 0.1
+    logits[1] *= 30  # a peaked row alongside
+    got = sampling_probs(logits, [params, params])
+    for i in range(2):
+        want = _hand_probs(logits[i].tolist(), params)
+        assert got[i].tolist() == pytest.approx(want, abs=1e-6)
+    assert int((got[0] > 0).sum()) > 1024
 
 
 def test_samples_only_from_the_kept_tokens_with_the_right_frequencies():
