@@ -5,6 +5,7 @@
 //   pk_host_math.h   __expf/rsqrtf/min/max/__ldg/atomics and friends
 //   pk_host_sched.h  threadIdx & co, __syncthreads, warp shuffles/votes, PK_LAUNCH, CUDA runtime
 //   pk_host_mma.h    pk_mma_m16n8k16_f16/_bf16 as warp collectives with the PTX fragment layout
+//   pk_host_hooks.h  preemption points of the random schedule
 //   pk_host_runtime.cpp  the fiber scheduler (compiled into every host build)
 //
 // What running kernels this way proves, and what it cannot, is in docs/cuda-host.md.
