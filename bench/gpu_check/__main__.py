@@ -2,9 +2,11 @@
 
 Steps, each bounded in time so the whole run ends inside the budget (8 minutes on one H200):
 1. environment; 2. build the CUDA extension (else the backend compiles at run time through CuPy);
-3. the conformance suite natively, every backend; 4. the device's copy bandwidth and matmul rate;
-5. decode at the headline shapes and a mixed prefill batch, per backend, next to SDPA on contiguous
-K/V and FlexAttention over the paged cache; 6. report.md + report.json, ending in a short table.
+3. the conformance suite natively, every backend; 4. bench.kernels: the device's copy bandwidth and
+matmul rate, then decode at the headline shapes (batch 1/32/128 x context 1k/4k/16k, head size
+128, 32 query heads over 8 KV heads, bf16), prefill, a mixed batch and write_kv per fast backend,
+next to SDPA on contiguous K/V; 5. FlexAttention over the paged cache; 6. report.md, report.json,
+kernels.json and the GB/s plot, the report ending in a short table.
 """
 
 from __future__ import annotations
@@ -23,24 +25,17 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_check import attention_bench, ceilings, report
+from bench import kernels
+from bench.gpu_check import report
+from bench.timing import median_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 
-FULL = {
-    "decode_batches": [1, 32, 128], "decode_contexts": [1024, 4096, 16384],
-    "mixed": ([2048] * 4 + [4096] * 28, [2048] * 4 + [1] * 28),
-    "heads": (32, 8), "head_size": 128, "block_size": 16, "dtype": torch.bfloat16,
-    "copy_bytes": 2 << 30, "matmul_n": 8192, "flex_batches": [32],
-    "conformance_timeout": 200, "build_timeout": 200, "budget_s": 450,
-}
-SMOKE = {
-    "decode_batches": [1, 4], "decode_contexts": [64, 256],
-    "mixed": ([64, 128, 100], [64, 9, 1]),
-    "heads": (8, 2), "head_size": 64, "block_size": 16, "dtype": torch.float32,
-    "copy_bytes": 64 << 20, "matmul_n": 512, "flex_batches": [],
-    "conformance_timeout": 300, "build_timeout": 0, "budget_s": 600,
-}
+FULL = {"dtype": torch.bfloat16, "quick": False, "repeat": 10,
+        "flex": [(32, 1024), (32, 4096), (32, 16384)],
+        "conformance_timeout": 200, "build_timeout": 200}
+SMOKE = {"dtype": torch.float32, "quick": True, "repeat": 3, "flex": [],
+         "conformance_timeout": 300, "build_timeout": 0}
 
 
 def environment() -> dict:
@@ -107,70 +102,49 @@ def conformance(out: Path, timeout: int, smoke: bool, env: dict) -> dict:
     return result
 
 
-def measure(cfg: dict, device: str, deadline: float) -> dict:
-    """Ceilings, then the attention benchmarks, stopping at the deadline."""
-    import paged_kernels as pk
-
-    result: dict = {"ceilings": {
-        "copy": ceilings.copy_bandwidth(device, cfg["copy_bytes"]),
-        "matmul": ceilings.matmul_rate(device, cfg["matmul_n"], cfg["dtype"]),
-    }}
-    copy_gbps = result["ceilings"]["copy"]["GB/s"]
-    tflops = result["ceilings"]["matmul"]["TFLOP/s"]
-    backends = [b for b in pk.available_backends() if b != "cuda-host"]
-    if device == "cuda":
-        backends = [b for b in backends if "cuda" in pk.get_backend(b).support.device_types]
-    result["backends"] = backends
-    common = dict(device=device, dtype=cfg["dtype"], heads=cfg["heads"],
-                  head_size=cfg["head_size"], block_size=cfg["block_size"])
-    rows: list[dict] = []
-    for batch in cfg["decode_batches"]:
-        for context in cfg["decode_contexts"]:
-            if time.time() > deadline:
-                rows.append({"batch": batch, "context": context, "skipped": "time budget"})
-                continue
-            names = [b for b in backends if b != "reference" or batch * context <= 32 * 4096]
-            rows += attention_bench.bench_shape(batch, context, 1, names, **common)
-    if time.time() < deadline:
-        contexts, q_lens = cfg["mixed"]
-        rows += attention_bench.bench_mixed(backends, contexts=contexts, q_lens=q_lens, **common)
-    result["flex"] = flex_rows(cfg, common, deadline)
-    result["rows"] = [attention_bench.add_rates(r, copy_gbps, tflops) for r in rows]
-    for row in result["flex"]:
-        attention_bench.add_rates(row, copy_gbps, tflops)
-    return result
+def measure(cfg: dict, device: str, out: Path) -> dict:
+    """Ceilings and the kernel benchmarks (bench.kernels) for every fast backend, then the
+    FlexAttention baseline; writes kernels.json and the GB/s plot next to the report."""
+    # the CPU smoke run exercises the script's code paths; interpreters time nothing useful
+    backends = kernels.default_backends(device) if device == "cuda" else ["reference"]
+    print(kernels.table_header(device == "cuda"), flush=True)
+    report = kernels.run(backends, device, cfg["dtype"], quick=cfg["quick"], repeat=cfg["repeat"],
+                         cuda_graph=device == "cuda",
+                         on_result=lambda r: print(kernels.format_row(r), flush=True))
+    report["backends"] = backends
+    report["flex"] = flex_rows(cfg, device, report["ceilings"])
+    kernels.write_outputs(report, out)
+    return report
 
 
-def flex_rows(cfg: dict, common: dict, deadline: float) -> list[dict]:
+def flex_rows(cfg: dict, device: str, ceilings: dict) -> list[dict]:
+    """FlexAttention over the paged cache at the decode shapes of `cfg["flex"]`."""
     from bench.gpu_check import flex_paged
-    from bench.shapes import make_mixed
 
-    rows = []
     if not flex_paged.flex_available():
         return [{"backend": "flex-paged", "error": "torch has no flex_attention"}]
-    for batch in cfg["flex_batches"]:
-        for context in cfg["decode_contexts"]:
-            if time.time() > deadline:
+    rows = []
+    for batch, context in cfg["flex"]:
+        shape = kernels.Shape("decode", batch, context)
+        p = kernels._problem(shape, cfg["dtype"], device, seed=0)
+        row: dict = {"backend": "flex-paged", "kind": "decode", "batch": batch,
+                     "context": context, "q_len": 1}
+        errors = []
+        for options in (None, {"BLOCK_N": shape.block_size}):
+            try:
+                fn = flex_paged.flex_decode(p, options)
+                fn()
+                prepared = kernels.Prepared(fn, p.bytes_moved(), p.flops())
+                seconds = median_seconds(fn, device, repeat=cfg["repeat"])
+                row.update(kernels.metrics(prepared, seconds, ceilings), kernel_options=options)
+                if device == "cuda":
+                    row.update(kernels.graph_metrics(prepared, cfg["repeat"], ceilings))
                 break
-            p = make_mixed([context] * batch, [1] * batch, num_heads=common["heads"][0],
-                           num_kv_heads=common["heads"][1], head_size=common["head_size"],
-                           block_size=common["block_size"], dtype=common["dtype"],
-                           device=common["device"])
-            row = {"backend": "flex-paged", "batch": batch, "context": context, "q_len": 1,
-                   "bytes": p.bytes_moved(), "flops": p.flops()}
-            errors = []
-            for options in (None, {"BLOCK_N": common["block_size"]}):
-                try:
-                    fn = flex_paged.flex_decode(p, options)
-                    fn()
-                    row.update(attention_bench.time_calls([fn], common["device"]),
-                               kernel_options=options)
-                    break
-                except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported
-                    errors.append(f"{options}: {type(exc).__name__}: {str(exc)[:200]}")
-            else:
-                row["error"] = "; ".join(errors)
-            rows.append(row)
+            except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported
+                errors.append(f"{options}: {type(exc).__name__}: {str(exc)[:200]}")
+        else:
+            row["error"] = "; ".join(errors)
+        rows.append(row)
     return rows
 
 
@@ -193,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[gpu_check] build: {result['build']}", flush=True)
     result["conformance"] = conformance(args.out, cfg["conformance_timeout"], args.cpu_smoke, env)
     print(f"[gpu_check] conformance: {result['conformance']['by_backend']}", flush=True)
-    result["bench"] = measure(cfg, device, start + cfg["budget_s"])
+    result["bench"] = measure(cfg, device, args.out)
     result["seconds"] = round(time.time() - start, 1)
     (args.out / "report.json").write_text(json.dumps(result, indent=1, default=str))
     text = report.markdown(result)

@@ -32,53 +32,64 @@ def ptxas_summary(log: str) -> dict:
 
 
 def healthy(result: dict) -> bool:
-    """No conformance failure, the suite finished, and benchmarks produced rows."""
+    """No conformance failure, the suite finished, and the benchmarks produced timed rows."""
     conf = result["conformance"]
     failed = any(c.get("failed") or c.get("error") for c in conf["by_backend"].values())
-    return conf["rc"] == 0 and not failed and bool(result["bench"]["rows"])
+    timed = [r for r in result["bench"]["results"] if "seconds" in r]
+    return conf["rc"] == 0 and not failed and bool(timed)
 
 
 def _fmt(x, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _best(r: dict) -> tuple[float, float]:
+    """(seconds, fraction of copy bandwidth): graph replay where captured, else eager."""
+    if "graph_seconds" in r:
+        return r["graph_seconds"], r["graph_frac_copy_bw"]
+    return r["seconds"], r.get("frac_copy_bw", 0.0)
+
+
 def _sdpa_times(rows: list[dict]) -> dict[tuple, float]:
-    return {(r["batch"], r["context"], r["q_len"]): r["seconds"] for r in rows
-            if r.get("backend") == "sdpa-contiguous" and "seconds" in r}
+    return {(r["kind"], r["batch"], r["context"], r["q_len"]): _best(r)[0] for r in rows
+            if r["backend"] == "torch-sdpa" and "seconds" in r}
 
 
 def _bench_table(rows: list[dict]) -> list[str]:
     sdpa = _sdpa_times(rows)
-    lines = ["| backend | batch | context | q tokens | eager us | graph us | GB/s | of copy BW "
-             "| TFLOP/s | time / SDPA | rel err |", "|" + " --- |" * 11]
+    lines = ["| backend | kind | batch | context | q_len | eager us | graph us | GB/s (best) "
+             "| of copy BW | TFLOP/s | of matmul | time / SDPA | rel err vs SDPA |",
+             "|" + " --- |" * 13]
     for r in rows:
-        if "skipped" in r or "error" in r:
-            lines.append(f"| {r.get('backend', '-')} | {r['batch']} | {r['context']} | "
-                         f"{r.get('q_len', '-')} | {r.get('skipped') or r.get('error')} |")
+        head = f"| {r['backend']} | {r['kind']} | {r['batch']} | {r['context']} | {r['q_len']} |"
+        if "seconds" not in r:
+            lines.append(f"{head} {r.get('error', '?')[:160]} |")
             continue
-        base = sdpa.get((r["batch"], r["context"], r["q_len"]))
-        ratio = r["seconds"] / base if base and r["backend"] != "sdpa-contiguous" else None
-        err = r.get("rel_err_vs_sdpa", r.get("rel_err_vs_first"))
-        graph = r.get("graph_s")
+        seconds, frac = _best(r)
+        base = sdpa.get((r["kind"], r["batch"], r["context"], r["q_len"]))
+        ratio = seconds / base if base and r["backend"] != "torch-sdpa" else None
+        graph = r.get("graph_seconds")
         lines.append(
-            f"| {r['backend']} | {r['batch']} | {r['context']} | {r['q_len']} | "
-            f"{r['eager_s'] * 1e6:.1f} | {_fmt(graph and graph * 1e6, '.1f')} | "
-            f"{r['GB/s']:.1f} | {r['frac_copy_bw']:.1%} | {r['TFLOP/s']:.2f} | "
-            f"{_fmt(ratio, '.2f')} | {_fmt(err, '.1e')} |")
+            f"{head} {r['seconds'] * 1e6:.1f} | {_fmt(graph and graph * 1e6, '.1f')} | "
+            f"{r['bytes_moved'] / seconds / 1e9:.1f} | {frac:.1%} | "
+            f"{r['flops'] / seconds / 1e12:.2f} | {r.get('frac_matmul', 0) :.1%} | "
+            f"{_fmt(ratio, '.2f')} | {_fmt(r.get('rel_err_vs_sdpa'), '.1e')} |")
     return lines
 
 
 def _short_table(rows: list[dict]) -> list[str]:
-    """The last lines: decode at the headline shapes, GB/s and fraction of copy bandwidth."""
+    """The last lines: decode per backend and shape, GB/s, share of copy bandwidth, vs SDPA."""
     sdpa = _sdpa_times(rows)
-    lines = [f"{'backend':<16}{'batch':>6}{'ctx':>7}{'GB/s':>9}{'%copy':>7}{'xSDPA':>7}"]
+    lines = [f"{'decode':<12}{'batch':>6}{'ctx':>7}{'GB/s':>8}{'%copy':>7}{'xSDPA':>9}"]
     for r in rows:
-        if "seconds" not in r or r.get("mixed"):
+        if "seconds" not in r or r["kind"] != "decode":
             continue
-        base = sdpa.get((r["batch"], r["context"], r["q_len"]))
-        ratio = r["seconds"] / base if base else None
-        lines.append(f"{r['backend']:<16}{r['batch']:>6}{r['context']:>7}{r['GB/s']:>9.0f}"
-                     f"{r['frac_copy_bw'] * 100:>6.0f}%{_fmt(ratio, '.2f'):>7}")
+        seconds, frac = _best(r)
+        base = sdpa.get((r["kind"], r["batch"], r["context"], r["q_len"]))
+        ratio = seconds / base if base else None
+        lines.append(f"{r['backend'][:12]:<12}{r['batch']:>6}{r['context']:>7}"
+                     f"{r['bytes_moved'] / seconds / 1e9:>8.0f}{frac * 100:>6.0f}%"
+                     f"{_fmt(ratio, '.2f'):>9}")
     return lines
 
 
@@ -88,6 +99,7 @@ def markdown(result: dict) -> str:
            f"- device: {env.get('device')}; date (UTC): {env['date_utc']}",
            "- versions: " + ", ".join(f"{k} {env[k]}" for k in
                                       ("python", "torch", "triton", "cupy", "numpy")),
+           f"- backends benchmarked: {', '.join(bench['backends'])}",
            f"- total time: {result['seconds']} s", "", "## Build", "",
            f"`{result['build']}`", "", "## Conformance (native)", "",
            "| backend | passed | failed | skipped | error |", "| --- | --- | --- | --- | --- |"]
@@ -95,14 +107,14 @@ def markdown(result: dict) -> str:
         out.append(f"| {name} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
                    f"{c.get('skipped', 0)} | {c.get('error', 0)} |")
     conf = result["conformance"]
+    c = bench["ceilings"]
     out += ["", f"pytest rc {conf['rc']} in {conf['seconds']} s; failures: "
-            f"{conf['failures'] or 'none'}", "", "## Ceilings (measured in this run)", ""]
-    cp, mm = bench["ceilings"]["copy"], bench["ceilings"]["matmul"]
-    out += [f"- device-to-device copy: {cp['GB/s']:.1f} GB/s (read + write, "
-            f"{cp['bytes'] / 2**30:.2f} GiB moved per copy)",
-            f"- matmul {mm['n']}^3 {mm['dtype']}: {mm['TFLOP/s']:.4g} TFLOP/s", "",
-            "## Attention", "", *_bench_table(bench["rows"]), ""]
+            f"{conf['failures'] or 'none'}", "", "## Ceilings (measured in this run)", "",
+            f"- device-to-device copy: {c['copy_GBps']:.1f} GB/s (bytes read + written)",
+            f"- matmul {c['matmul_n']}^3 {c['matmul_dtype']}: {c['matmul_TFLOPs']:.4g} TFLOP/s",
+            "", "## Kernels (best of eager and CUDA-graph replay)", "",
+            *_bench_table(bench["results"]), ""]
     if bench.get("flex"):
         out += ["## FlexAttention over the paged cache", "", *_bench_table(bench["flex"]), ""]
-    out += ["## Summary: decode", "", "```", *_short_table(bench["rows"]), "```"]
+    out += ["## Summary", "", "```", *_short_table(bench["results"]), "```"]
     return "\n".join(out) + "\n"
