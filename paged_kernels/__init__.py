@@ -1,6 +1,8 @@
 """paged-kernels: PagedAttention over a block-table KV cache, with interchangeable backends.
 
-The public API lives in `paged_kernels.attention` (docs/abi.md states the ABI).
+The public API lives in `paged_kernels.attention` (docs/abi.md states the ABI); the same
+operations as torch custom operators, for `torch.compile` and CUDA graphs, in
+`paged_kernels.custom_ops`.
 """
 
 from paged_kernels.abi import AttentionProblem, Support
@@ -19,6 +21,9 @@ from paged_kernels.backends import (
     registered_backends,
     unavailable_backends,
 )
+
+# registers torch.ops.paged_kernels.{paged_attention, write_kv} (torch.compile, CUDA graphs)
+from paged_kernels import custom_ops  # noqa: E402,F401  isort: skip
 
 __version__ = "0.1.0"
 

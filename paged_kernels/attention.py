@@ -95,6 +95,20 @@ def _check_cache_pair(key_cache: object, value_cache: object) -> tuple[torch.Ten
     return k, v
 
 
+def check_write_kv_args(
+    key: object, value: object, key_cache: object, value_cache: object, slot_mapping: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host-side checks of `write_kv` (shapes, dtypes, devices, strides); returns
+    `(key, value, key_cache, value_cache)`. Raises TypeError/ValueError naming the argument."""
+    k_cache, v_cache = _check_cache_pair(key_cache, value_cache)
+    key = _check_kv_rows("key", key, k_cache)
+    value = _check_kv_rows("value", value, k_cache)
+    if value.shape != key.shape:
+        _fail(ValueError, "value", f"the key's shape {tuple(key.shape)}", _describe(value))
+    require_int_tensor("slot_mapping", slot_mapping, torch.int64, (key.shape[0],), k_cache.device)
+    return key, value, k_cache, v_cache
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -107,12 +121,8 @@ def write_kv(
     """Writes token `i`'s `key[i]`/`value[i]` (`[num_kv_heads, head_size]`) to slot
     `slot_mapping[i] = block * block_size + offset` of the caches; negative slots are skipped.
     Slots must be distinct among the non-negative ones (a slot written twice is undefined)."""
-    k_cache, v_cache = _check_cache_pair(key_cache, value_cache)
-    key = _check_kv_rows("key", key, k_cache)
-    value = _check_kv_rows("value", value, k_cache)
-    if value.shape != key.shape:
-        _fail(ValueError, "value", f"the key's shape {tuple(key.shape)}", _describe(value))
-    require_int_tensor("slot_mapping", slot_mapping, torch.int64, (key.shape[0],), k_cache.device)
+    key, value, k_cache, v_cache = check_write_kv_args(key, value, key_cache, value_cache,
+                                                       slot_mapping)
     if key.shape[0]:
         resolve_backend(backend, k_cache.device).write_kv(key, value, k_cache, v_cache,
                                                           slot_mapping)

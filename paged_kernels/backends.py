@@ -105,6 +105,13 @@ def registered_backends() -> list[str]:
     return list(_REGISTRY)
 
 
+def factory_path(name: str) -> str:
+    """The `"module:attribute"` of backend `name`'s factory (importable without running it)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"name: expected one of {list(_REGISTRY)}, got {name!r}")
+    return _REGISTRY[name]
+
+
 def available_backends() -> list[str]:
     """Names of the backends that can run on this machine, highest priority first."""
     loaded = [b for b in (_load(n) for n in _REGISTRY) if b is not None]

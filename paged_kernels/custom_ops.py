@@ -33,7 +33,7 @@ from typing import Optional, Union
 import torch
 
 from paged_kernels import attention
-from paged_kernels.abi import check_attention_args, require_int_tensor
+from paged_kernels.abi import check_attention_args
 
 __all__ = ["paged_attention", "write_kv"]
 
@@ -94,14 +94,7 @@ def _write_kv_fake(
     slot_mapping: torch.Tensor, backend: str,
 ) -> None:
     # the host-side checks of attention.write_kv, so a malformed call fails at trace time
-    k_cache, _ = attention._check_cache_pair(key_cache, value_cache)
-    key = attention._check_kv_rows("key", key, k_cache)
-    value = attention._check_kv_rows("value", value, k_cache)
-    if value.shape != key.shape:
-        raise ValueError(f"value: expected the key's shape {tuple(key.shape)}, got "
-                         f"{tuple(value.shape)}")
-    require_int_tensor("slot_mapping", slot_mapping, torch.int64, (key.shape[0],),
-                       k_cache.device)
+    attention.check_write_kv_args(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(

@@ -54,7 +54,7 @@ class Declaration:
 def _factory_path(name: str) -> tuple[str, str]:
     # The registry maps a name to "module:factory" (paged_kernels/backends.py); there is no public
     # accessor for the path, and instantiating would make the table depend on this machine.
-    module, attr = backends._REGISTRY[name].split(":")
+    module, attr = backends.factory_path(name).split(":")
     return module, attr
 
 
