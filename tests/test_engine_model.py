@@ -17,7 +17,7 @@ import torch
 
 from engine.model import AttentionMetadata, LlamaConfig, LlamaForCausalLM, load_model
 from engine.model.gguf_reader import unpermute_rotary_rows
-from engine.model.loader import default_model_path, hf_config
+from engine.model.loader import _safetensors_weights, default_model_path, hf_config
 
 BLOCK_SIZE = 4
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n <", "Hi",
@@ -218,6 +218,14 @@ def test_tiny_hf_directory_matches_transformers(tiny_dir, dtype):
     ids, pos, meta = seqs.step({0: [5], 1: [7]})
     step = loaded.model.compute_logits(loaded.model(ids, pos, seqs.kv_caches, meta))
     rows = logits.split([len(p) for p in prompts])
+    # the loader packs the weights for oneDNN; the plain F.linear path gives the same logits
+    assert loaded.model.packed
+    plain = LlamaForCausalLM(loaded.config, dtype=dtype)
+    plain.load_weights(_safetensors_weights([os.path.join(tiny_dir, "model.safetensors")]))
+    seqs_plain = PagedSequences(loaded.config, dtype, 16, len(prompts), seed=2)
+    ids, pos, meta = seqs_plain.step(dict(enumerate(prompts)))
+    plain_logits = plain.compute_logits(plain(ids, pos, seqs_plain.kv_caches, meta))
+    torch.testing.assert_close(plain_logits, logits, rtol=1e-5, atol=1e-5 * logits.abs().max())
     for s, (p, nxt) in enumerate(zip(prompts, [5, 7])):
         want = hf_logits(hf, p + [nxt])
         mine = torch.cat([rows[s], step[s:s + 1]])

@@ -93,6 +93,25 @@ def _rotary_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T`, through oneDNN directly when `weight` was packed by `pack_weights`."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
+
+
+def _pack(module: nn.Module, name: str) -> bool:
+    """Replaces the weight `module.<name>` by a oneDNN-packed copy; False when not possible."""
+    weight = getattr(module, name)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    module._parameters.pop(name, None)
+    setattr(module, name, packed)
+    return True
+
+
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`x * cos + rotate_half(x) * sin` for `x` `[T, heads, D]`, cos/sin `[T, 1, D]`."""
     half = x.shape[-1] // 2
@@ -130,13 +149,13 @@ class LlamaDecoderLayer(nn.Module):
         x = F.rms_norm(hidden, hidden.shape[-1:], self.input_layernorm, self.eps)
         hidden = hidden + self._attention(x, cos, sin, kv_cache, meta)
         x = F.rms_norm(hidden, hidden.shape[-1:], self.post_attention_layernorm, self.eps)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = _linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return hidden + _linear(F.silu(gate) * up, self.down_proj)
 
     def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj).view(num_tokens, -1, self.head_dim)
+        qkv = _linear(x, self.qkv_proj).view(num_tokens, -1, self.head_dim)
         qk = _apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
         q = qk[:, :self.num_heads]
         k = qk[:, self.num_heads:].contiguous()
@@ -145,7 +164,7 @@ class LlamaDecoderLayer(nn.Module):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                               cu_seqlens_q=meta.cu_seqlens_q, backend=meta.backend)
-        return F.linear(out.reshape(num_tokens, -1), self.o_proj)
+        return _linear(out.reshape(num_tokens, -1), self.o_proj)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,6 +177,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
+        self.packed = False
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False)
@@ -192,7 +212,29 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab_size]` for final hidden states `[N, hidden_size]`."""
-        return F.linear(hidden, self.lm_head).float()
+        return _linear(hidden, self.lm_head).float()
+
+    @torch.no_grad()
+    def pack_weights(self) -> bool:
+        """For CPU inference: re-lays every projection weight (and the output head) out in
+        oneDNN's blocked format, which makes each matmul about 1.3-2x faster on a CPU (the
+        weight is no longer re-packed at every call). Same results in bfloat16; float32
+        accumulates in a different order (differences of ~1e-6 relative). After this the model
+        cannot load weights or move devices. Returns False (and changes nothing) when the
+        model is not on a CPU or oneDNN is unavailable."""
+        if self.packed:
+            return True
+        if self.embed_tokens.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        targets = [(layer, name) for layer in self.layers
+                   for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        if not _pack(self, "lm_head"):
+            return False
+        for module, name in targets:
+            ok = _pack(module, name)
+            assert ok, "oneDNN packed the output head but not a layer weight"
+        self.packed = True
+        return True
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -202,6 +244,9 @@ class LlamaForCausalLM(nn.Module):
         Raises ValueError for an unknown name or a wrong shape, and when a parameter is left
         unloaded (`lm_head.weight` is optional when the embedding is tied).
         """
+        if self.packed:
+            raise RuntimeError("load_weights: the weights were packed for inference "
+                               "(pack_weights); load into a fresh model")
         loaded: set[str] = set()
         for name, tensor in weights:
             target, rows = self._locate(name)

@@ -79,6 +79,7 @@ def _build(config: LlamaConfig, weights: Iterator[tuple[str, torch.Tensor]],
            dtype: torch.dtype, device: Union[str, torch.device]) -> LlamaForCausalLM:
     model = LlamaForCausalLM(config, dtype=dtype, device=device)
     model.load_weights(weights)
+    model.pack_weights()  # CPU only; a no-op elsewhere
     return model.eval()
 
 
