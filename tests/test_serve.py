@@ -30,6 +30,7 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 @pytest.fixture(scope="module")
 def server():
     proc = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
+                         "--num-threads", "1",
                          "--num-kv-blocks", "128", "--max-request-bytes", str(BODY_LIMIT))
     proc.start()
     yield proc
@@ -334,9 +335,14 @@ def test_prompt_too_long_is_400_with_lengths(http):
     err = assert_error(http.post("/v1/completions", json={"prompt": long_prompt}), 400,
                        str(MAX_MODEL_LEN), str(n))
     assert "maximum context length" in err["message"]
-    fits = http.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
-    assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 90}), 400,
-                 str(MAX_MODEL_LEN), str(fits + 90), str(fits), "90")
+    near = " ".join(["word"] * (MAX_MODEL_LEN - 10))
+    fits = http.post("/tokenize", json={"prompt": near}).json()["count"]
+    too_many = MAX_MODEL_LEN - fits + 1
+    assert_error(http.post("/v1/completions", json={"prompt": near, "max_tokens": too_many}),
+                 400, str(MAX_MODEL_LEN), str(fits + too_many), str(fits), str(too_many))
+    ok = http.post("/v1/completions", json={"prompt": near, "max_tokens": too_many - 1,
+                                            "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["total_tokens"] <= MAX_MODEL_LEN
     assert_error(http.post("/v1/chat/completions",
                            json={"messages": [{"role": "user", "content": long_prompt}]}), 400,
                  str(MAX_MODEL_LEN))

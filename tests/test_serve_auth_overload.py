@@ -23,6 +23,7 @@ PROMPT = "Once upon a time"
 @pytest.fixture(scope="module")
 def server():
     proc = ServerProcess("--max-model-len", "128", "--max-num-seqs", "1", "--max-queue", "1",
+                         "--num-threads", "1",
                          "--num-kv-blocks", "64", "--api-key", KEY)
     proc.start(early_headers=AUTH)
     yield proc
