@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.model import load_model
+from engine.tokenizer import IncrementalDetokenizer
 from test_engine_model import PagedSequences, assert_logits_close, hf_logits
 
 gguf = pytest.importorskip("gguf")
@@ -121,6 +122,15 @@ def test_tiny_gguf_tokenizer_matches_transformers(tiny_gguf, tmp_path, with_merg
     assert tok.encode("hello world", add_special_tokens=False) == \
         hf.encode("hello world", add_special_tokens=False)
     assert tok.eos_token_ids == {2}
+    # streaming text: byte-fallback pieces of é and 🎉 are held back until complete
+    ids = tok.encode("hello world zebra é 🎉 hello", add_special_tokens=False)
+    for prompt in ([], tok.encode("held")):
+        detok = IncrementalDetokenizer(tok, prompt)
+        deltas = [detok.add(i) for i in ids]
+        # the continuation of the prompt's text (a SentencePiece word keeps its space)
+        want = tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+        assert "".join(deltas) == detok.text == want
+        assert not any("\ufffd" in d for d in deltas) and "" in deltas
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi\n"
 
 
