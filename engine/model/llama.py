@@ -4,8 +4,9 @@ RMSNorm, rotary embeddings (rotate-half convention, as Hugging Face's Llama), gr
 attention through `paged_kernels.attention`, SwiGLU MLP, tied or separate output embedding.
 
 For speed on a CPU the projections are fused (one `qkv_proj` and one `gate_up_proj` matmul per
-layer), rotary cos/sin are gathered once per forward and shared by every layer, and the forward
-never synchronises (no `.item()`); the attention metadata is built once per step by the caller.
+layer) and, once loaded, packed in oneDNN's layout (`pack_weights`); rotary cos/sin are gathered
+once per forward and shared by every layer, and the forward never synchronises (no `.item()`);
+the attention metadata is built once per step by the caller.
 """
 
 from __future__ import annotations
@@ -82,15 +83,19 @@ class LlamaConfig:
 
 
 def _rotary_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos and sin `[max_position_embeddings, head_dim]`, both halves repeated, computed
-    the way Hugging Face computes them (float32 inverse frequencies times float32 positions)."""
+    """float32 cos and signed sin `[max_position_embeddings, head_dim]`: `cos` repeated over both
+    halves, `sin` negated in the first half, so that rotating is `x * cos + swap_halves(x) * sin`.
+    Angles are computed the way Hugging Face computes them (float32 inverse frequencies times
+    float32 positions), so the tables match its values exactly."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
                                             / dim))
     positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos(), angles.sin()
+    sin = angles.sin()
+    sin[:, :dim // 2].neg_()
+    return angles.cos(), sin
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -113,10 +118,11 @@ def _pack(module: nn.Module, name: str) -> bool:
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin` for `x` `[T, heads, D]`, cos/sin `[T, 1, D]`."""
+    """Hugging Face's `x * cos + rotate_half(x) * sin` for `x` `[T, heads, D]`, with cos and
+    the signed sin of `_rotary_tables` `[T, 1, D]` (rotate_half's negation moved into sin)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin
 
 
 class LlamaDecoderLayer(nn.Module):
