@@ -143,6 +143,7 @@ def test_tiny_gguf_logits_match_transformers(tiny_gguf):
     loaded = load_model(tiny_gguf)
     assert not loaded.config.tie_word_embeddings and loaded.config.rope_theta == 20000.0
     assert loaded.name == "tiny-llama"
+    assert load_model(os.path.dirname(tiny_gguf)).path == tiny_gguf  # a folder with one GGUF
     prompts = [loaded.tokenizer.encode("hello world"), loaded.tokenizer.encode("held low zebra")]
     seqs = PagedSequences(loaded.config, torch.float32, 32, len(prompts), seed=3)
     ids, pos, meta = seqs.step(dict(enumerate(prompts)))

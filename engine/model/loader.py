@@ -53,8 +53,9 @@ def default_model_path() -> str:
 
 def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
                device: Union[str, torch.device] = "cpu") -> LoadedModel:
-    """Loads `model`: None (the default SmolLM2-135M-Instruct GGUF), a `.gguf` file, or a
-    Hugging Face directory (config.json, *.safetensors, tokenizer.json, tokenizer_config.json).
+    """Loads `model`: None (the default SmolLM2-135M-Instruct GGUF), a `.gguf` file (or a
+    directory holding exactly one and no config.json), or a Hugging Face directory (config.json,
+    *.safetensors, tokenizer.json, tokenizer_config.json).
 
     The weights are converted to `dtype` (float32, bfloat16 or float16) on `device`.
     FileNotFoundError when nothing is at `model`; ValueError when it is not a loadable Llama.
@@ -63,6 +64,9 @@ def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
         raise ValueError(f"dtype: expected one of {list(_DTYPES)}, got {dtype!r}")
     path = default_model_path() if model is None else os.fspath(model)
     if os.path.isdir(path):
+        ggufs = glob.glob(os.path.join(path, "*.gguf"))
+        if not os.path.isfile(os.path.join(path, "config.json")) and len(ggufs) == 1:
+            return _load_gguf(ggufs[0], dtype, device)  # a folder holding one GGUF file
         return _load_hf_dir(path, dtype, device)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
