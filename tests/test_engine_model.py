@@ -153,7 +153,8 @@ TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=3
 
 
 def _tiny_tokenizer_json(path: str) -> None:
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -9,10 +9,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from test_engine_model import PagedSequences, assert_logits_close, hf_logits
 
 from engine.model import load_model
 from engine.tokenizer import IncrementalDetokenizer
-from test_engine_model import PagedSequences, assert_logits_close, hf_logits
 
 gguf = pytest.importorskip("gguf")
 
