@@ -241,6 +241,11 @@ def test_hf_config_rejects_non_llama():
         hf_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="rope_scaling"):
         hf_config({**TINY, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ValueError, match="rope_parameters"):
+        hf_config({**TINY, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+    config = hf_config({**TINY, "rope_parameters": {"rope_type": "default", "rope_theta": 3e4},
+                        "head_dim": None})
+    assert config.rope_theta == 3e4 and config.head_dim == 48 // 4
 
 
 def test_load_model_errors(tmp_path):

@@ -135,9 +135,11 @@ def hf_config(raw: dict[str, Any]) -> LlamaConfig:
     if raw.get("model_type") != "llama" and not set(archs) & set(_HF_ARCHITECTURES):
         raise ValueError(f"model: expected a Llama model (model_type 'llama'), got model_type "
                          f"{raw.get('model_type')!r}, architectures {archs}")
-    scaling = raw.get("rope_scaling") or {}
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"model: rope_scaling {scaling} is not supported; expected none")
+    for key in ("rope_scaling", "rope_parameters"):  # older and newer transformers configs
+        scaling = raw.get(key) or {}
+        if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ValueError(f"model: {key} {scaling} is not supported; expected plain rotary "
+                             "embeddings (rope_type 'default')")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise ValueError(f"model: {flag}=true is not supported; expected a Llama without "
@@ -150,8 +152,8 @@ def hf_config(raw: dict[str, Any]) -> LlamaConfig:
             num_attention_heads=raw["num_attention_heads"],
             num_key_value_heads=raw.get("num_key_value_heads"), head_dim=raw.get("head_dim"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get(
-                "rope_theta", 10000.0))),
+            rope_theta=float((raw.get("rope_parameters") or {}).get(
+                "rope_theta", raw.get("rope_theta", 10000.0))),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"))
