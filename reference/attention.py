@@ -26,8 +26,10 @@ def _gather_kv(p: AttentionProblem, max_len: int) -> tuple[torch.Tensor, torch.T
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
         blocks = cache[table]  # [num_seqs, n, num_kv_heads, block_size, head_size]
-        blocks = blocks.permute(0, 2, 1, 3, 4).float()
-        return blocks.reshape(p.num_seqs, p.num_kv_heads, -1, p.head_size)
+        dense = torch.empty(p.num_seqs, p.num_kv_heads, num_blocks_used, p.block_size,
+                            p.head_size, dtype=torch.float32, device=cache.device)
+        dense.copy_(blocks.permute(0, 2, 1, 3, 4))  # one pass: reorder and widen to float32
+        return dense.view(p.num_seqs, p.num_kv_heads, -1, p.head_size)
 
     return gather(p.key_cache), gather(p.value_cache)
 
@@ -47,9 +49,13 @@ def _token_layout(p: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def _scores(p: AttentionProblem, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
-            q_valid: torch.Tensor) -> torch.Tensor:
-    """Masked float32 scores `[num_seqs, num_kv_heads, group, max_q_len, max_len]`."""
-    s = torch.matmul(q, k[:, :, None].transpose(-1, -2)) * p.scale
+            q_valid: torch.Tensor, max_q_len: int) -> torch.Tensor:
+    """Masked float32 scores `[num_seqs, num_kv_heads, group, max_q_len, max_len]`.
+
+    `q` is `[num_seqs, num_kv_heads, group * max_q_len, head_size]`: the query rows of a GQA
+    group share one product with their KV head's keys (no copy of K per query head)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * p.scale
+    s = s.view(p.num_seqs, p.num_kv_heads, p.num_queries_per_kv, max_q_len, -1)
     if p.soft_cap is not None:
         s = p.soft_cap * torch.tanh(s / p.soft_cap)
     k_pos = torch.arange(k.shape[2], device=q.device)
@@ -60,7 +66,7 @@ def _scores(p: AttentionProblem, q: torch.Tensor, k: torch.Tensor, q_pos: torch.
     visible = (rel <= 0) & q_valid[:, :, None]
     if p.sliding_window is not None:
         visible &= rel > -p.sliding_window
-    return s.masked_fill(~visible[:, None, None], float("-inf"))
+    return s.masked_fill_(~visible[:, None, None], float("-inf"))
 
 
 def paged_attention(p: AttentionProblem) -> None:
@@ -69,24 +75,26 @@ def paged_attention(p: AttentionProblem) -> None:
     max_len = int(p.seq_lens.max())
     k, v = _gather_kv(p, max_len)
     k_valid = torch.arange(k.shape[2], device=k.device)[None, :] < p.seq_lens.long()[:, None]
-    v = v.masked_fill(~k_valid[:, None, :, None], 0.0)
+    v.masked_fill_(~k_valid[:, None, :, None], 0.0)
 
-    group = p.num_queries_per_kv
+    group, rows = p.num_queries_per_kv, p.num_queries_per_kv * max_q_len
     q = torch.zeros(p.num_seqs, max_q_len, p.num_heads, p.head_size, device=k.device)
     q[seq_of_token, index_in_seq] = p.query.float()
     q = q.view(p.num_seqs, max_q_len, p.num_kv_heads, group, p.head_size).permute(0, 2, 3, 1, 4)
+    q = q.reshape(p.num_seqs, p.num_kv_heads, rows, p.head_size)
     q_pos = torch.zeros(p.num_seqs, max_q_len, dtype=torch.long, device=k.device)
     q_pos[seq_of_token, index_in_seq] = position
     q_valid = torch.zeros(p.num_seqs, max_q_len, dtype=torch.bool, device=k.device)
     q_valid[seq_of_token, index_in_seq] = True
 
-    s = _scores(p, q, k, q_pos, q_valid)
+    s = _scores(p, q, k, q_pos, q_valid, max_q_len)
     lse = torch.logsumexp(s, dim=-1)  # [num_seqs, num_kv_heads, group, max_q_len]
     probs = torch.exp(s - lse[..., None]).nan_to_num_(0.0)  # padded query rows are all -inf
-    o = torch.matmul(probs, v[:, :, None])  # [num_seqs, num_kv_heads, group, max_q_len, D]
+    o = torch.matmul(probs.view(p.num_seqs, p.num_kv_heads, rows, -1), v)
+    o = o.view(p.num_seqs, p.num_kv_heads, group, max_q_len, p.head_size)
 
     o = o.permute(0, 3, 1, 2, 4).reshape(p.num_seqs, max_q_len, p.num_heads, p.head_size)
-    p.out.copy_(o[seq_of_token, index_in_seq].to(p.out.dtype))
+    p.out.copy_(o[seq_of_token, index_in_seq])
     if p.lse is not None:
         lse = lse.permute(0, 3, 1, 2).reshape(p.num_seqs, max_q_len, p.num_heads)
         p.lse.copy_(lse[seq_of_token, index_in_seq])
