@@ -1,0 +1,59 @@
+"""Registers the "cpu" backend: the C++/OpenMP kernels of csrc/paged_attention.cpp on CPU tensors.
+
+Every dtype, head size, block size and feature of the ABI; strided caches and `out`. Contents are
+not checked unless asked (`check=True` / PAGED_KERNELS_CHECK=1), but a bad block id or length never
+makes the kernel read or write out of bounds (see the C++ file's header).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_kernels.abi import FEATURES, FLOAT_DTYPES, AttentionProblem, Support
+from paged_kernels.backends import Backend, BackendUnavailable
+from reference.cache_ops import check_slots
+
+SUPPORT = Support(
+    dtypes=frozenset(FLOAT_DTYPES),
+    device_types=frozenset({"cpu"}),
+    features=frozenset(FEATURES),
+)
+
+#: Query rows per work item in prefill/varlen (times the GQA group size = rows sharing each K/V
+#: row read); decode always uses 1.
+QUERY_TILE = 16
+
+
+class CpuBackend(Backend):
+    """Paged attention for CPU tensors; the thread count is torch's (`torch.set_num_threads`)."""
+
+    name = "cpu"
+    priority = 5
+    always_check_contents = False
+
+    def __init__(self) -> None:
+        from cpu_impl import build
+        try:
+            self._ext = build.load()
+        except build.BuildFailed as exc:
+            raise BackendUnavailable(str(exc)) from exc
+
+    @property
+    def support(self) -> Support:
+        return SUPPORT
+
+    def paged_attention(self, problem: AttentionProblem) -> None:
+        p = problem
+        self._ext.paged_attention(
+            p.query, p.key_cache, p.value_cache, p.block_tables.contiguous(),
+            p.seq_lens.contiguous(),
+            None if p.cu_seqlens_q is None else p.cu_seqlens_q.contiguous(),
+            p.out, p.lse, p.alibi_slopes, p.scale,
+            0 if p.sliding_window is None else p.sliding_window,
+            0.0 if p.soft_cap is None else p.soft_cap,
+            QUERY_TILE, torch.get_num_threads())
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        check_slots(slot_mapping, key_cache.shape[0] * key_cache.shape[2])
+        self._ext.write_kv(key, value, key_cache, value_cache, slot_mapping.contiguous())

@@ -1,0 +1,382 @@
+// Paged attention on the CPU (docs/abi.md), one C++ file compiled at first use (cpu_impl/build.py).
+//
+// Work split: one work item = (sequence s, KV head h, tile of up to `tile` query rows of s).
+// Items run in parallel with OpenMP (dynamic schedule: causal prefill tiles differ in cost); each
+// item is computed by one thread from start to end, so the result does not depend on the thread
+// count. An item owns rows R = tile * G (G = query heads per KV head): every K and V row it reads is
+// converted to float32 once and used by all R rows (the GQA group and the tile share one read).
+//
+// Keys are streamed through the block table in chunks of KEY_CHUNK positions (no dense copy);
+// each chunk does scores -> soft cap -> ALiBi -> mask, then one online-softmax step (running max m,
+// running sum l, accumulator acc rescaled by exp(m_old - m_new)), all in float32.
+//
+// Invariants relied on (checked on the host by paged_kernels.abi): the last dimension of query,
+// caches and out is contiguous; shapes agree. Contents are NOT trusted: a block id outside
+// [0, num_blocks) masks its keys, lengths are clamped to the block table and to num_tokens, so a
+// bad input gives undefined numbers but never an out-of-bounds access. Keys at positions >= seq_len
+// are never touched.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int KEY_CHUNK = 64;
+constexpr int LANES = 8;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// --- element conversion -------------------------------------------------------------------
+
+inline void to_float(const float* src, float* dst, int n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_float(const at::BFloat16* src, float* dst, int n) {
+  // bf16 is the top half of a float32: widen by a 16-bit shift (vectorises).
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+inline void to_float(const at::Half* src, float* dst, int n) {
+  int i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
+// --- small vector kernels -----------------------------------------------------------------
+
+// Dot product with LANES independent partial sums, so that the compiler vectorises it without
+// -ffast-math (which would break the -inf/NaN handling of the masks).
+inline float dot(const float* a, const float* b, int n) {
+  float part[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) part[l] += a[i + l] * b[i + l];
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int l = 0; l < LANES; ++l) s += part[l];
+  return s;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int n) {
+  for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// --- the problem, flattened -----------------------------------------------------------------
+
+struct Problem {
+  int64_t num_tokens, num_heads, head_size, num_kv_heads, block_size, num_blocks;
+  int64_t num_seqs, max_blocks;
+  int64_t q_s0, q_s1, o_s0, o_s1;           // strides of query/out (tokens, heads)
+  int64_t k_s0, k_s1, k_s2, v_s0, v_s1, v_s2;  // strides of the caches (block, head, slot)
+  const int32_t* block_tables;              // contiguous [num_seqs, max_blocks]
+  const int32_t* seq_lens;
+  const int32_t* cu_seqlens_q;              // nullptr in decode
+  const float* alibi;                       // nullptr when absent
+  float* lse;                               // nullptr when absent; contiguous [tokens, heads]
+  float scale, soft_cap;                    // soft_cap <= 0: none
+  int64_t window;                           // <= 0: none
+  int group() const { return static_cast<int>(num_heads / num_kv_heads); }
+};
+
+struct Item {
+  int32_t seq, kv_head;
+  int64_t row0, rows;     // query rows [row0, row0 + rows) of the sequence (token index = q0 + row)
+  int64_t q0, q_len, seq_len;
+};
+
+// Clamped query range and length of sequence s (memory safety on unchecked contents).
+void seq_extent(const Problem& p, int64_t s, int64_t& q0, int64_t& q_len, int64_t& seq_len) {
+  if (p.cu_seqlens_q == nullptr) {
+    q0 = s;
+    q_len = 1;
+  } else {
+    q0 = std::clamp<int64_t>(p.cu_seqlens_q[s], 0, p.num_tokens);
+    int64_t q1 = std::clamp<int64_t>(p.cu_seqlens_q[s + 1], q0, p.num_tokens);
+    q_len = q1 - q0;
+  }
+  seq_len = std::clamp<int64_t>(p.seq_lens[s], 0, p.max_blocks * p.block_size);
+}
+
+std::vector<Item> plan(const Problem& p, int64_t tile) {
+  std::vector<Item> items;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    int64_t q0, q_len, seq_len;
+    seq_extent(p, s, q0, q_len, seq_len);
+    for (int64_t r = 0; r < q_len; r += tile)
+      for (int64_t h = 0; h < p.num_kv_heads; ++h)
+        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), r,
+                         std::min(tile, q_len - r), q0, q_len, seq_len});
+  }
+  // Longest causal tiles first, so the dynamic schedule ends balanced.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.seq_len - a.q_len + a.row0 + a.rows > b.seq_len - b.q_len + b.row0 + b.rows;
+  });
+  return items;
+}
+
+// Per-thread scratch, sized once per call.
+struct Scratch {
+  std::vector<float> q, acc, scores, m, l, krow;
+  std::vector<int64_t> pos;
+  Scratch(int rows, int d) : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows),
+                             l(rows), krow(d), pos(rows) {}
+};
+
+template <typename T>
+class ItemKernel {
+ public:
+  ItemKernel(const Problem& p, const T* q, const T* k, const T* v, T* out, const Item& it,
+             Scratch& sc)
+      : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
+        g_(p.group()), rows_(static_cast<int>(it.rows) * g_) {}
+
+  void run() {
+    load_queries();
+    int64_t lo, hi;  // keys [lo, hi) visible to at least one row
+    key_range(lo, hi);
+    for (int64_t c = lo; c < hi; c += KEY_CHUNK) chunk(c, std::min<int64_t>(hi, c + KEY_CHUNK));
+    store();
+  }
+
+ private:
+  // Row r = (tile row t, group member g) at r = t * G + g; query head = kv_head * G + g.
+  int64_t token(int r) const { return it_.q0 + it_.row0 + r / g_; }
+  int64_t head(int r) const { return static_cast<int64_t>(it_.kv_head) * g_ + r % g_; }
+
+  void load_queries() {
+    for (int r = 0; r < rows_; ++r) {
+      float* dst = &sc_.q[r * d_];
+      to_float(q_ + token(r) * p_.q_s0 + head(r) * p_.q_s1, dst, d_);
+      for (int i = 0; i < d_; ++i) dst[i] *= p_.scale;
+      std::fill_n(&sc_.acc[r * d_], d_, 0.f);
+      sc_.m[r] = NEG_INF;
+      sc_.l[r] = 0.f;
+      sc_.pos[r] = it_.seq_len - it_.q_len + it_.row0 + r / g_;
+    }
+  }
+
+  void key_range(int64_t& lo, int64_t& hi) const {
+    int64_t first = it_.seq_len - it_.q_len + it_.row0;  // position of the tile's first row
+    int64_t last = first + it_.rows - 1;
+    hi = std::min(last + 1, it_.seq_len);
+    lo = p_.window > 0 ? std::max<int64_t>(0, first - p_.window + 1) : 0;
+    if (hi < lo) hi = lo;
+  }
+
+  // Pointer to (position j) in a cache, or nullptr when its block id is out of range.
+  const T* slot(const T* cache, int64_t s0, int64_t s1, int64_t s2, int64_t j) const {
+    int64_t b = p_.block_tables[it_.seq * p_.max_blocks + j / p_.block_size];
+    if (b < 0 || b >= p_.num_blocks) return nullptr;
+    return cache + b * s0 + it_.kv_head * s1 + (j % p_.block_size) * s2;
+  }
+
+  float masked_score(float s, int r, int64_t j) const {
+    if (p_.soft_cap > 0.f) s = p_.soft_cap * std::tanh(s / p_.soft_cap);
+    int64_t rel = j - sc_.pos[r];
+    if (p_.alibi != nullptr) s += p_.alibi[head(r)] * static_cast<float>(rel);
+    bool visible = rel <= 0 && (p_.window <= 0 || rel > -p_.window);
+    return visible ? s : NEG_INF;
+  }
+
+  void chunk(int64_t c0, int64_t c1) {
+    const int n = static_cast<int>(c1 - c0);
+    float* S = sc_.scores.data();  // [rows][KEY_CHUNK]
+    for (int jj = 0; jj < n; ++jj) {
+      const T* kp = slot(k_, p_.k_s0, p_.k_s1, p_.k_s2, c0 + jj);
+      if (kp == nullptr) {
+        for (int r = 0; r < rows_; ++r) S[r * KEY_CHUNK + jj] = NEG_INF;
+        continue;
+      }
+      to_float(kp, sc_.krow.data(), d_);
+      for (int r = 0; r < rows_; ++r)
+        S[r * KEY_CHUNK + jj] = masked_score(dot(&sc_.q[r * d_], sc_.krow.data(), d_), r, c0 + jj);
+    }
+    softmax_step(n);
+    accumulate_values(c0, n);
+  }
+
+  // Online softmax: scores become weights exp(s - m_new); acc and l are rescaled to m_new.
+  void softmax_step(int n) {
+    for (int r = 0; r < rows_; ++r) {
+      float* s = &sc_.scores[r * KEY_CHUNK];
+      float cmax = NEG_INF;
+      for (int jj = 0; jj < n; ++jj) cmax = std::max(cmax, s[jj]);
+      float m_new = std::max(sc_.m[r], cmax);
+      if (m_new == NEG_INF) {  // nothing visible yet for this row
+        std::fill_n(s, n, 0.f);
+        continue;
+      }
+      float alpha = std::exp(sc_.m[r] - m_new);  // 0 when m was -inf
+      float sum = 0.f;
+      for (int jj = 0; jj < n; ++jj) {
+        s[jj] = std::exp(s[jj] - m_new);
+        sum += s[jj];
+      }
+      if (alpha != 1.f) {
+        float* a = &sc_.acc[r * d_];
+        for (int i = 0; i < d_; ++i) a[i] *= alpha;
+      }
+      sc_.l[r] = sc_.l[r] * alpha + sum;
+      sc_.m[r] = m_new;
+    }
+  }
+
+  void accumulate_values(int64_t c0, int n) {
+    for (int jj = 0; jj < n; ++jj) {
+      const T* vp = slot(v_, p_.v_s0, p_.v_s1, p_.v_s2, c0 + jj);
+      if (vp == nullptr) continue;  // its weights are 0 (masked keys)
+      bool any = false;
+      for (int r = 0; r < rows_ && !any; ++r) any = sc_.scores[r * KEY_CHUNK + jj] != 0.f;
+      if (!any) continue;
+      to_float(vp, sc_.krow.data(), d_);
+      for (int r = 0; r < rows_; ++r) {
+        float w = sc_.scores[r * KEY_CHUNK + jj];
+        if (w != 0.f) axpy(w, sc_.krow.data(), &sc_.acc[r * d_], d_);
+      }
+    }
+  }
+
+  void store() {
+    for (int r = 0; r < rows_; ++r) {
+      T* dst = out_ + token(r) * p_.o_s0 + head(r) * p_.o_s1;
+      float inv = sc_.l[r] > 0.f ? 1.f / sc_.l[r] : 0.f;  // no visible key (invalid input): 0
+      const float* a = &sc_.acc[r * d_];
+      for (int i = 0; i < d_; ++i) dst[i] = from_float<T>(a[i] * inv);
+      if (p_.lse != nullptr)
+        p_.lse[token(r) * p_.num_heads + head(r)] =
+            sc_.l[r] > 0.f ? sc_.m[r] + std::log(sc_.l[r]) : NEG_INF;
+    }
+  }
+
+  const Problem& p_;
+  const T* q_;
+  const T* k_;
+  const T* v_;
+  T* out_;
+  const Item& it_;
+  Scratch& sc_;
+  const int d_, g_, rows_;
+};
+
+template <typename T>
+void run_items(const Problem& p, const at::Tensor& query, const at::Tensor& key_cache,
+               const at::Tensor& value_cache, at::Tensor& out, int64_t tile, int64_t threads) {
+  std::vector<Item> items = plan(p, tile);
+  const T* q = query.data_ptr<T>();
+  const T* k = key_cache.data_ptr<T>();
+  const T* v = value_cache.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int rows = static_cast<int>(tile * p.group());
+  const int64_t n = static_cast<int64_t>(items.size());
+  int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
+#pragma omp parallel num_threads(nthreads)
+  {
+    Scratch sc(rows, static_cast<int>(p.head_size));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) ItemKernel<T>(p, q, k, v, o, items[i], sc).run();
+  }
+}
+
+}  // namespace
+
+// Entry point; see cpu_impl/kernels.py for the contract of each argument.
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const c10::optional<at::Tensor>& cu_seqlens_q,
+                     at::Tensor out, const c10::optional<at::Tensor>& lse,
+                     const c10::optional<at::Tensor>& alibi_slopes, double scale,
+                     int64_t sliding_window, double soft_cap, int64_t tile, int64_t threads) {
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "index tensors must be contiguous");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 &&
+              value_cache.stride(3) == 1, "last dimensions must be contiguous");
+  Problem p;
+  p.num_tokens = query.size(0);
+  p.num_heads = query.size(1);
+  p.head_size = query.size(2);
+  p.num_blocks = key_cache.size(0);
+  p.num_kv_heads = key_cache.size(1);
+  p.block_size = key_cache.size(2);
+  p.num_seqs = seq_lens.size(0);
+  p.max_blocks = block_tables.size(1);
+  p.q_s0 = query.stride(0); p.q_s1 = query.stride(1);
+  p.o_s0 = out.stride(0); p.o_s1 = out.stride(1);
+  p.k_s0 = key_cache.stride(0); p.k_s1 = key_cache.stride(1); p.k_s2 = key_cache.stride(2);
+  p.v_s0 = value_cache.stride(0); p.v_s1 = value_cache.stride(1); p.v_s2 = value_cache.stride(2);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.cu_seqlens_q = nullptr;
+  if (cu_seqlens_q.has_value()) {
+    TORCH_CHECK(cu_seqlens_q->is_contiguous(), "cu_seqlens_q must be contiguous");
+    p.cu_seqlens_q = cu_seqlens_q->data_ptr<int32_t>();
+  }
+  at::Tensor slopes;  // keeps a contiguous copy alive for the call
+  if (alibi_slopes.has_value()) slopes = alibi_slopes->contiguous();
+  p.alibi = slopes.defined() ? slopes.data_ptr<float>() : nullptr;
+  p.lse = nullptr;
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->is_contiguous(), "lse must be contiguous");
+    p.lse = lse->data_ptr<float>();
+  }
+  p.scale = static_cast<float>(scale);
+  p.soft_cap = static_cast<float>(soft_cap);
+  p.window = sliding_window;
+  if (p.cu_seqlens_q == nullptr) tile = 1;
+  tile = std::max<int64_t>(1, tile);
+  if (query.scalar_type() == at::kFloat)
+    run_items<float>(p, query, key_cache, value_cache, out, tile, threads);
+  else if (query.scalar_type() == at::kHalf)
+    run_items<at::Half>(p, query, key_cache, value_cache, out, tile, threads);
+  else if (query.scalar_type() == at::kBFloat16)
+    run_items<at::BFloat16>(p, query, key_cache, value_cache, out, tile, threads);
+  else
+    TORCH_CHECK(false, "query: expected float32, float16 or bfloat16, got ", query.scalar_type());
+}
+
+// write_kv: cache[slot / block_size, :, slot % block_size] = row for every slot in [0, capacity);
+// other slots (negative: padding) are skipped.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
+              at::Tensor value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
+  const int64_t n = key.size(0), heads = key.size(1), d = key.size(2), bs = key_cache.size(2);
+  const int64_t capacity = key_cache.size(0) * bs;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t esize = key.element_size();
+  auto copy = [&](const at::Tensor& src, at::Tensor& cache, int64_t t, int64_t slot) {
+    const char* s = static_cast<const char*>(src.data_ptr());
+    char* c = static_cast<char*>(cache.data_ptr());
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(c + ((slot / bs) * cache.stride(0) + h * cache.stride(1) +
+                       (slot % bs) * cache.stride(2)) * esize,
+                  s + (t * src.stride(0) + h * src.stride(1)) * esize, d * esize);
+  };
+  for (int64_t t = 0; t < n; ++t) {
+    int64_t slot = slots[t];
+    if (slot < 0 || slot >= capacity) continue;
+    copy(key, key_cache, t, slot);
+    copy(value, value_cache, t, slot);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention (see cpu_impl/kernels.py)");
+  m.def("write_kv", &write_kv, "scatter K/V rows into the caches (see cpu_impl/kernels.py)");
+}
