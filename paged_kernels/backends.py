@@ -30,6 +30,7 @@ _REGISTRY: dict[str, str] = {
     "triton": "triton_impl.backend:TritonBackend",
     "cuda": "cuda.paged_cuda.backend:CudaBackend",
     "cuda-host": "cuda.paged_cuda.host_backend:CudaHostBackend",
+    "cpu": "cpu_impl.backend:CpuBackend",
 }
 
 
