@@ -4,9 +4,10 @@ sampling and Python overhead (everything else in `LLMEngine.step`).
     python -m bench.serve_profile --batch 1 16 --threads 1 2 --dtype bfloat16
 
 Loads the model once, fills `batch` sequences with `--prompt-len` random prompt tokens (prefill
-not timed), then times `--steps` decode steps with wall-clock wrappers around `F.linear` (every
-matmul of the model, including the LM head), `paged_attention`, `write_kv` (as the model calls
-them) and the sampler. Prints one markdown row per (threads, batch).
+not timed), then times `--steps` decode steps with wall-clock wrappers around the model's matmuls
+(its `_linear` helper if it has one, else `F.linear`; the LM head included), `paged_attention`
+and `write_kv` (as the model calls them) and the sampler. Prints one markdown row per
+(threads, batch).
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def install_model_timers(model: Any) -> None:
     """Once per process: the model's matmuls, attention and KV writes, and its forward."""
-    llama.F = _FProxy()  # the model's F.linear goes through the timer
+    if hasattr(llama, "_linear"):  # the model's own matmul helper (packed weights on CPU)
+        llama._linear = timed("matmul", llama._linear)
+    else:
+        llama.F = _FProxy()  # the model's F.linear goes through the timer
     llama.paged_attention = timed("attention", llama.paged_attention)
     llama.write_kv = timed("write_kv", llama.write_kv)
     model.forward = timed("forward", model.forward)
