@@ -26,7 +26,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -63,18 +63,80 @@ inline T from_float(float x) { return static_cast<T>(x); }
 
 // --- small vector kernels -----------------------------------------------------------------
 
-// Dot product with LANES independent partial sums, so that the compiler vectorises it without
-// -ffast-math (which would break the -inf/NaN handling of the masks).
-inline float dot(const float* a, const float* b, int n) {
-  float part[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int l = 0; l < LANES; ++l) part[l] += a[i + l] * b[i + l];
-  float s = 0.f;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int l = 0; l < LANES; ++l) s += part[l];
-  return s;
+// scores[i] = dot(q, k + i * d) for the 8 key rows at k (each d floats, rows contiguous).
+#if defined(__AVX2__) && defined(__FMA__)
+inline void scores8(const float* q, const float* k, int d, float* scores) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  int x = 0;
+  for (; x + 8 <= d; x += 8) {
+    __m256 qv = _mm256_loadu_ps(q + x);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * d + x), acc[i]);
+  }
+  // Transpose-and-add: hadd pairs within 128-bit lanes, then add the two lanes.
+  __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+  __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                             _mm256_permute2f128_ps(u0, u1, 0x31));
+  _mm256_storeu_ps(scores, sum);
+  for (; x < d; ++x)
+    for (int i = 0; i < 8; ++i) scores[i] += q[x] * k[i * d + x];
 }
+
+// exp(x) with a degree-6 polynomial after range reduction (relative error ~2e-7); inputs below
+// -87 (the masks' -inf included) give exactly 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), lo);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 poly = _mm256_set1_ps(1.f / 720);
+  const float c[] = {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  for (float ci : c) poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(ci));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(poly, _mm256_castsi256_ps(e)), keep);
+}
+
+// x[i] = exp(x[i] - shift) for i < n; returns the sum of the results.
+inline float exp_shifted(float* x, int n, float shift) {
+  __m256 sh = _mm256_set1_ps(shift), total = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh));
+    _mm256_storeu_ps(x + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, total);
+  float sum = 0.f;
+  for (float v : part) sum += v;
+  for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
+  return sum;
+}
+#else
+inline void scores8(const float* q, const float* k, int d, float* scores) {
+  for (int i = 0; i < 8; ++i) {
+    float part[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // vectorisable without fast-math
+    int x = 0;
+    for (; x + LANES <= d; x += LANES)
+      for (int l = 0; l < LANES; ++l) part[l] += q[x + l] * k[i * d + x + l];
+    float s = 0.f;
+    for (; x < d; ++x) s += q[x] * k[i * d + x];
+    for (int l = 0; l < LANES; ++l) s += part[l];
+    scores[i] = s;
+  }
+}
+
+inline float exp_shifted(float* x, int n, float shift) {
+  float sum = 0.f;
+  for (int i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
+  return sum;
+}
+#endif
 
 inline void axpy(float alpha, const float* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
@@ -135,10 +197,12 @@ std::vector<Item> plan(const Problem& p, int64_t tile) {
 
 // Per-thread scratch, sized once per call.
 struct Scratch {
-  std::vector<float> q, acc, scores, m, l, krow;
+  std::vector<float> q, acc, scores, m, l, kf, vrow;
   std::vector<int64_t> pos;
+  std::vector<const void*> kp, vp;  // this chunk's K/V row pointers (nullptr: bad block id)
   Scratch(int rows, int d) : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows),
-                             l(rows), krow(d), pos(rows) {}
+                             l(rows), kf(KEY_CHUNK * d), vrow(d), pos(rows), kp(KEY_CHUNK),
+                             vp(KEY_CHUNK) {}
 };
 
 template <typename T>
@@ -182,36 +246,66 @@ class ItemKernel {
     if (hi < lo) hi = lo;
   }
 
-  // Pointer to (position j) in a cache, or nullptr when its block id is out of range.
-  const T* slot(const T* cache, int64_t s0, int64_t s1, int64_t s2, int64_t j) const {
-    int64_t b = p_.block_tables[it_.seq * p_.max_blocks + j / p_.block_size];
-    if (b < 0 || b >= p_.num_blocks) return nullptr;
-    return cache + b * s0 + it_.kv_head * s1 + (j % p_.block_size) * s2;
-  }
-
-  float masked_score(float s, int r, int64_t j) const {
-    if (p_.soft_cap > 0.f) s = p_.soft_cap * std::tanh(s / p_.soft_cap);
-    int64_t rel = j - sc_.pos[r];
-    if (p_.alibi != nullptr) s += p_.alibi[head(r)] * static_cast<float>(rel);
-    bool visible = rel <= 0 && (p_.window <= 0 || rel > -p_.window);
-    return visible ? s : NEG_INF;
+  // Row pointers of K and V for positions [c0, c0 + n), walking the block table (no division per
+  // key); nullptr for a block id outside [0, num_blocks). Returns whether any was nullptr.
+  bool locate(int64_t c0, int n) {
+    int64_t b = c0 / p_.block_size, off = c0 % p_.block_size;
+    const int32_t* table = p_.block_tables + it_.seq * p_.max_blocks;
+    bool bad = false;
+    for (int jj = 0; jj < n; ++jj) {
+      int64_t id = table[b];
+      if (id < 0 || id >= p_.num_blocks) {
+        sc_.kp[jj] = sc_.vp[jj] = nullptr;
+        bad = true;
+      } else {
+        sc_.kp[jj] = k_ + id * p_.k_s0 + it_.kv_head * p_.k_s1 + off * p_.k_s2;
+        sc_.vp[jj] = v_ + id * p_.v_s0 + it_.kv_head * p_.v_s1 + off * p_.v_s2;
+      }
+      if (++off == p_.block_size) {
+        off = 0;
+        ++b;
+      }
+    }
+    return bad;
   }
 
   void chunk(int64_t c0, int64_t c1) {
     const int n = static_cast<int>(c1 - c0);
-    float* S = sc_.scores.data();  // [rows][KEY_CHUNK]
-    for (int jj = 0; jj < n; ++jj) {
-      const T* kp = slot(k_, p_.k_s0, p_.k_s1, p_.k_s2, c0 + jj);
-      if (kp == nullptr) {
-        for (int r = 0; r < rows_; ++r) S[r * KEY_CHUNK + jj] = NEG_INF;
-        continue;
-      }
-      to_float(kp, sc_.krow.data(), d_);
-      for (int r = 0; r < rows_; ++r)
-        S[r * KEY_CHUNK + jj] = masked_score(dot(&sc_.q[r * d_], sc_.krow.data(), d_), r, c0 + jj);
+    const int n8 = (n + 7) / 8 * 8;
+    bool bad = locate(c0, n);
+    float* kf = sc_.kf.data();  // [n8][d], rows past n and bad rows zero
+    for (int jj = 0; jj < n8; ++jj) {
+      if (jj < n && sc_.kp[jj] != nullptr)
+        to_float(static_cast<const T*>(sc_.kp[jj]), kf + jj * d_, d_);
+      else
+        std::fill_n(kf + jj * d_, d_, 0.f);
     }
+    for (int r = 0; r < rows_; ++r)
+      for (int jj = 0; jj < n; jj += 8)
+        scores8(&sc_.q[r * d_], kf + jj * d_, d_, &sc_.scores[r * KEY_CHUNK + jj]);
+    for (int r = 0; r < rows_; ++r) finish_scores(r, c0, n, bad);
     softmax_step(n);
-    accumulate_values(c0, n);
+    accumulate_values(n);
+  }
+
+  // Soft cap, ALiBi, then the mask: row r sees positions [pos - window + 1, pos].
+  void finish_scores(int r, int64_t c0, int n, bool bad) {
+    float* s = &sc_.scores[r * KEY_CHUNK];
+    const int64_t pos = sc_.pos[r];
+    if (p_.soft_cap > 0.f)
+      for (int jj = 0; jj < n; ++jj) s[jj] = p_.soft_cap * std::tanh(s[jj] / p_.soft_cap);
+    if (p_.alibi != nullptr) {
+      const float slope = p_.alibi[head(r)];
+      for (int jj = 0; jj < n; ++jj) s[jj] += slope * static_cast<float>(c0 + jj - pos);
+    }
+    int64_t first = p_.window > 0 ? pos - p_.window + 1 : c0;
+    int a = static_cast<int>(std::clamp<int64_t>(first - c0, 0, n));
+    int b = static_cast<int>(std::clamp<int64_t>(pos + 1 - c0, a, n));
+    std::fill(s, s + a, NEG_INF);
+    std::fill(s + b, s + n, NEG_INF);
+    if (bad)
+      for (int jj = a; jj < b; ++jj)
+        if (sc_.kp[jj] == nullptr) s[jj] = NEG_INF;
   }
 
   // Online softmax: scores become weights exp(s - m_new); acc and l are rescaled to m_new.
@@ -226,11 +320,7 @@ class ItemKernel {
         continue;
       }
       float alpha = std::exp(sc_.m[r] - m_new);  // 0 when m was -inf
-      float sum = 0.f;
-      for (int jj = 0; jj < n; ++jj) {
-        s[jj] = std::exp(s[jj] - m_new);
-        sum += s[jj];
-      }
+      float sum = exp_shifted(s, n, m_new);
       if (alpha != 1.f) {
         float* a = &sc_.acc[r * d_];
         for (int i = 0; i < d_; ++i) a[i] *= alpha;
@@ -240,17 +330,17 @@ class ItemKernel {
     }
   }
 
-  void accumulate_values(int64_t c0, int n) {
+  void accumulate_values(int n) {
+    float* vrow = sc_.vrow.data();
     for (int jj = 0; jj < n; ++jj) {
-      const T* vp = slot(v_, p_.v_s0, p_.v_s1, p_.v_s2, c0 + jj);
-      if (vp == nullptr) continue;  // its weights are 0 (masked keys)
+      if (sc_.vp[jj] == nullptr) continue;  // its weights are 0 (masked key)
       bool any = false;
       for (int r = 0; r < rows_ && !any; ++r) any = sc_.scores[r * KEY_CHUNK + jj] != 0.f;
       if (!any) continue;
-      to_float(vp, sc_.krow.data(), d_);
+      to_float(static_cast<const T*>(sc_.vp[jj]), vrow, d_);
       for (int r = 0; r < rows_; ++r) {
         float w = sc_.scores[r * KEY_CHUNK + jj];
-        if (w != 0.f) axpy(w, sc_.krow.data(), &sc_.acc[r * d_], d_);
+        if (w != 0.f) axpy(w, vrow, &sc_.acc[r * d_], d_);
       }
     }
   }

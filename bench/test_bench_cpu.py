@@ -1,0 +1,59 @@
+"""The cpu backend against the reference on the CPU, at the engine's decode shape (SmolLM2-135M:
+9 query heads, 3 KV heads, head size 64, bf16, block size 16; 16 sequences x 300 tokens) and a
+256-token prefill, at 1 and 2 threads. Prints ms per call; no speed assertion (docs/cpu.md).
+
+    python -m pytest bench/test_bench_cpu.py -q -s
+    python bench/test_bench_cpu.py            # the same table without pytest
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.shapes import make_problem
+from bench.timing import median_seconds
+from paged_kernels import available_backends, paged_attention
+
+SHAPES = {  # name -> (batch, context, q_len)
+    "decode-16x300": (16, 300, 1),
+    "prefill-256": (1, 256, 256),
+}
+HEADS = dict(num_heads=9, num_kv_heads=3, head_size=64, block_size=16)
+
+
+def ms_per_call(shape: str, backend: str, threads: int, dtype: torch.dtype) -> float:
+    """Median milliseconds of one `paged_attention` call with `threads` torch threads."""
+    batch, context, q_len = SHAPES[shape]
+    p = make_problem(batch, context, q_len, dtype=dtype, device="cpu", **HEADS)
+    out = torch.empty_like(p.query)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seconds = median_seconds(
+            lambda: paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables,
+                                    p.seq_lens, cu_seqlens_q=p.cu_seqlens_q, out=out,
+                                    backend=backend), "cpu", warmup=3, repeat=20)
+    finally:
+        torch.set_num_threads(previous)
+    return 1e3 * seconds
+
+
+@pytest.mark.skipif("cpu" not in available_backends(), reason="cpu backend unavailable")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cpu_vs_reference(shape: str, threads: int) -> None:
+    cpu = ms_per_call(shape, "cpu", threads, torch.bfloat16)
+    ref = ms_per_call(shape, "reference", threads, torch.bfloat16)
+    print(f"\n{shape} bf16 threads={threads}: cpu {cpu:.3f} ms, reference {ref:.3f} ms, "
+          f"speed-up {ref / cpu:.1f}x")
+
+
+if __name__ == "__main__":
+    print("| shape | threads | cpu ms | reference ms | speed-up |")
+    print("| --- | --- | --- | --- | --- |")
+    for name in SHAPES:
+        for n in (1, 2):
+            c = ms_per_call(name, "cpu", n, torch.bfloat16)
+            r = ms_per_call(name, "reference", n, torch.bfloat16)
+            print(f"| {name} | {n} | {c:.3f} | {r:.3f} | {r / c:.1f}x |")
