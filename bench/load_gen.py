@@ -155,7 +155,7 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
     ms = 1000.0
-    scale = lambda d: {k: v * ms for k, v in d.items()}  # noqa: E731 - seconds -> ms
+    scale = lambda d: {k: v * ms for k, v in d.items()}  # seconds -> ms
     return {
         "config": {k: v for k, v in vars(args).items() if k not in ("api_key", "output")},
         "model": model,

@@ -131,7 +131,7 @@ def _log_engine(engine: Any) -> None:
     cfg = engine.config
     try:
         backend = resolve_backend(cfg.backend, engine.device).name
-    except Exception as exc:  # noqa: BLE001 - only for the log line
+    except Exception as exc:  # only for the log line
         backend = f"{cfg.backend} (unresolved: {exc})"
     blocks = engine.block_manager.num_blocks
     logger.info("model %s (%s), dtype %s, backend %s, %d KV blocks of %d tokens (%d tokens), "

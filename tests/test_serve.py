@@ -18,7 +18,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from serve_process import ServerProcess
 
 MAX_MODEL_LEN = 96
@@ -346,6 +345,18 @@ def test_prompt_too_long_is_400_with_lengths(http):
     assert_error(http.post("/v1/chat/completions",
                            json={"messages": [{"role": "user", "content": long_prompt}]}), 400,
                  str(MAX_MODEL_LEN))
+
+
+def test_engine_refusal_is_400_streaming_or_not(http):
+    # n=30 passes the server's own checks (n <= 64) but not the engine's (at most
+    # --max-num-seqs=16 sequences per request): the engine refuses the request when it is added,
+    # before any response starts, and its message (which names the value given) comes back.
+    body = {"prompt": PROMPT, "n": 30, "max_tokens": 4}
+    assert_error(http.post("/v1/completions", json=body), 400, "30")
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        r.read()
+        assert_error(r, 400, "30")
+    wait_idle(http)
 
 
 def test_unknown_model_is_404(http, client):

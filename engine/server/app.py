@@ -25,8 +25,12 @@ from engine.server.async_engine import AsyncEngine, RequestDelta
 from engine.server.errors import APIError, error_body, install_error_handlers, logger
 from engine.server.metrics import CONTENT_TYPE
 from engine.server.middleware import GuardMiddleware
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, \
-    DetokenizeRequest, TokenizeRequest
+from engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 #: How often a non-streaming request checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.25
@@ -89,7 +93,7 @@ class OpenAIServer:
 
     @staticmethod
     def _params(kwargs: dict[str, Any]) -> Any:
-        from engine.sampling_params import SamplingParams  # noqa: PLC0415 - engine is heavy
+        from engine.sampling_params import SamplingParams  # engine is heavy
 
         try:
             return SamplingParams(**kwargs)
@@ -143,7 +147,7 @@ class OpenAIServer:
                 messages, add_generation_prompt=req.add_generation_prompt)
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", "messages") from None
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+        except Exception as exc:  # a template error is the request's fault
             raise APIError(400, f"messages: the chat template rejected them "
                            f"({type(exc).__name__})", "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
@@ -346,7 +350,7 @@ async def _merge(streams: list[AsyncIterator[RequestDelta]]
             async for delta in stream:
                 await queue.put((i, delta, None))
             await queue.put((i, None, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+        except Exception as exc:  # handed to the consumer
             await queue.put((i, None, exc))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
@@ -402,7 +406,7 @@ async def _guard_stream(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     except APIError as exc:
         yield R.sse(error_body(exc.status, exc.message, exc.param))
         yield R.DONE
-    except Exception:  # noqa: BLE001 - logged; the client gets a generic error event
+    except Exception:  # logged; the client gets a generic error event
         logger.exception("error while streaming")
         yield R.sse(error_body(500, "internal server error; see the server log"))
         yield R.DONE

@@ -230,7 +230,7 @@ class AsyncEngine:
         try:
             self.engine = self._build()
             self.last_stats = self.engine.stats()
-        except BaseException as exc:  # noqa: BLE001 - any failure means "not ready", logged
+        except BaseException as exc:  # any failure means "not ready", logged
             logger.exception("engine start-up failed")
             self.load_error = exc
             self._ready.set()
@@ -287,7 +287,7 @@ class AsyncEngine:
         (with a 500 that says nothing of the internals) and keeps the loop alive."""
         try:
             outputs = self.engine.step()
-        except Exception:  # noqa: BLE001 - logged; clients get a generic 500
+        except Exception:  # logged; clients get a generic 500
             logger.exception("engine step failed; aborting all requests")
             return self._fail_all()
         now = time.monotonic()
@@ -325,7 +325,7 @@ class AsyncEngine:
         for request_id in list(self._trackers):
             try:
                 self.engine.abort_request(request_id)
-            except Exception:  # noqa: BLE001 - best effort; the error is already logged
+            except Exception:  # best effort; the error is already logged
                 logger.exception("abort of %s failed", request_id)
             failed.append((request_id, RequestDelta(
                 error=APIError(500, "the engine failed while running this request; see the "

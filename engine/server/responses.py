@@ -29,8 +29,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- logprobs
-def _top(entry: dict[int, float], chosen: int, k: int) -> list[tuple[int, float]]:
-    """The `k` most likely tokens of one position, best first (the chosen one is kept apart)."""
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The `k` most likely tokens of one position, best first."""
     ranked = sorted(entry.items(), key=lambda kv: -kv[1])
     return ranked[:k]
 
@@ -51,7 +51,7 @@ class CompletionLogprobs:
             text = self.token_text(tid)
             tokens.append(text)
             lps.append(entry.get(tid))
-            tops.append({self.token_text(t): lp for t, lp in _top(entry, tid, self.k)}
+            tops.append({self.token_text(t): lp for t, lp in _top(entry, self.k)}
                         if self.k else None)
             offsets.append(self.offset)
             self.offset += len(text)
@@ -76,7 +76,7 @@ def chat_logprobs(token_text: TokenText, k: int, token_ids: list[int],
     content = []
     for tid, entry in zip(token_ids, entries):
         one = item(tid, entry.get(tid))
-        one["top_logprobs"] = [item(t, lp) for t, lp in _top(entry, tid, k)]
+        one["top_logprobs"] = [item(t, lp) for t, lp in _top(entry, k)]
         content.append(one)
     return content
 
