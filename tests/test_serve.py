@@ -225,6 +225,34 @@ def test_tokenize_detokenize(http, model):
     assert chat["count"] > tok["count"]
 
 
+def test_seeded_sampling_is_reproducible(client, model):
+    def sample(seed):
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=6,
+                                         temperature=1.0, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_metrics_names_and_prefix_cache(http, model):
+    prompt = " ".join(["alpha beta gamma delta"] * 10)  # > 2 full blocks of 16 tokens
+    for _ in range(2):
+        http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    text = http.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket"):
+        assert f'{name}{{' in text, name
+    assert f'model_name="{model}"' in text
+    assert metric(http, "vllm:prefix_cache_hits_total") >= 32  # the second request hit
+    assert metric(http, "vllm:prefix_cache_queries_total") >= metric(
+        http, "vllm:prefix_cache_hits_total")
+
+
 # ------------------------------------------------------------------------------- concurrency
 def test_16_concurrent_streams(server, model, http):
     before = metric(http, "vllm:generation_tokens_total")
