@@ -1,0 +1,219 @@
+"""What is specific to the "cpu" backend (cpu_impl/): its own float64 oracle and problem builder
+(no code shared with the kernel or with tests/paged_case.py), NaN in every slot that must not be
+read, thread-count independence, head sizes that are not multiples of the SIMD width, block size 1,
+several query tiles and key chunks per sequence, memory safety on unchecked bad contents, and the
+build's flag choice."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+import paged_kernels as pk
+
+pytestmark = pytest.mark.skipif("cpu" not in pk.available_backends(),
+                                reason=f"cpu backend unavailable: "
+                                       f"{pk.unavailable_backends().get('cpu')}")
+
+
+@dataclass
+class Case:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: Optional[torch.Tensor]
+    keys: list[torch.Tensor]    # float64 [seq_len, num_kv_heads, head_size] per sequence
+    values: list[torch.Tensor]
+    q_lens: list[int]
+
+
+def build_case(seq_lens: list[int], q_lens: Optional[list[int]], heads: tuple[int, int],
+               head_size: int, block_size: int, dtype: torch.dtype, *, nhd: bool = False,
+               seed: int = 0) -> Case:
+    """Random K/V scattered through a shuffled block table into NaN-filled caches; table entries
+    past each sequence's blocks hold -1 or huge ids (never to be read)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, num_kv = heads
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needed) + 3
+    shape = (num_blocks, block_size, num_kv, head_size) if nhd else \
+        (num_blocks, num_kv, block_size, head_size)
+    caches = [torch.full(shape, math.nan, dtype=dtype) for _ in range(2)]
+    views = [c.permute(0, 2, 1, 3) if nhd else c for c in caches]
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(needed) + 2
+    table = torch.full((len(seq_lens), width), 10 ** 9, dtype=torch.int32)
+    table[:, -1] = -1
+    keys, values = [], []
+    for s, n in enumerate(seq_lens):
+        ids, order = order[:needed[s]], order[needed[s]:]
+        table[s, :needed[s]] = torch.tensor(ids, dtype=torch.int32)
+        kv = [torch.randn(n, num_kv, head_size, generator=gen).to(dtype) for _ in range(2)]
+        for pos in range(n):
+            blk, off = ids[pos // block_size], pos % block_size
+            views[0][blk, :, off] = kv[0][pos]
+            views[1][blk, :, off] = kv[1][pos]
+        keys.append(kv[0].double())
+        values.append(kv[1].double())
+    q_counts = q_lens if q_lens is not None else [1] * len(seq_lens)
+    query = torch.randn(sum(q_counts), num_heads, head_size, generator=gen).to(dtype)
+    cu = None
+    if q_lens is not None:
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return Case(query, views[0], views[1], table, torch.tensor(seq_lens, dtype=torch.int32), cu,
+                keys, values, q_counts)
+
+
+def dense_oracle(c: Case, *, window: Optional[int] = None, soft_cap: Optional[float] = None,
+                 alibi: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (out, lse) from the unpaged K/V, one query token at a time."""
+    num_heads, head_size = c.query.shape[1:]
+    scale = 1.0 / math.sqrt(head_size)
+    outs, lses, t = [], [], 0
+    for k, v, q_len in zip(c.keys, c.values, c.q_lens):
+        group = num_heads // k.shape[1]
+        k_h, v_h = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, H, D]
+        for i in range(q_len):
+            pos = k.shape[0] - q_len + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            q = c.query[t].double()
+            s = torch.einsum("hd,nhd->hn", q, k_h[lo:pos + 1]) * scale
+            if soft_cap is not None:
+                s = soft_cap * torch.tanh(s / soft_cap)
+            if alibi is not None:
+                rel = torch.arange(lo, pos + 1, dtype=torch.float64) - pos
+                s = s + alibi.double()[:, None] * rel[None, :]
+            w = torch.softmax(s, dim=-1)
+            outs.append(torch.einsum("hn,nhd->hd", w, v_h[lo:pos + 1]))
+            lses.append(torch.logsumexp(s, dim=-1))
+            t += 1
+    return torch.stack(outs), torch.stack(lses)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+TOL = {torch.float32: 2e-6, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+
+def run_cpu(c: Case, **kwargs):
+    return pk.paged_attention(c.query, c.key_cache, c.value_cache, c.block_tables, c.seq_lens,
+                              cu_seqlens_q=c.cu_seqlens_q, backend="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size,block_size,heads", [
+    (64, 16, (9, 3)),    # the engine's SmolLM2-135M layout
+    (80, 1, (4, 2)),     # block size 1; head size a multiple of 8 but not of 64
+    (13, 5, (3, 3)),     # head size below and not a multiple of the SIMD width; MHA
+    (256, 8, (8, 1)),    # large head size, MQA
+])
+def test_decode_and_mixed_match_oracle(dtype, head_size, block_size, heads):
+    for q_lens in (None, [3, 1, 70, 0]):
+        seq_lens = [5, 1, 150, 9] if q_lens else [1, 37, 150, block_size]
+        c = build_case(seq_lens, q_lens, heads, head_size, block_size, dtype, seed=head_size)
+        want, _ = dense_oracle(c)
+        assert rel_err(run_cpu(c), want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_features_with_lse_and_nhd_caches(dtype):
+    c = build_case([40, 130, 7], [40, 66, 1], (6, 2), 64, 16, dtype, nhd=True, seed=7)
+    alibi = torch.tensor([2.0 ** (-(h + 1)) for h in range(6)])
+    kwargs = dict(sliding_window=45, soft_cap=3.0, alibi_slopes=alibi)
+    out, lse = run_cpu(c, return_lse=True, **kwargs)
+    want, want_lse = dense_oracle(c, window=45, soft_cap=3.0, alibi=alibi)
+    assert rel_err(out, want) <= TOL[dtype]
+    assert rel_err(lse, want_lse) <= TOL[dtype]
+
+
+def test_strided_query_and_out():
+    c = build_case([30, 90], [30, 4], (4, 2), 32, 16, torch.float32, seed=3)
+    q_store = torch.full((c.query.shape[0], 4, 48), math.nan)
+    q_store[:, :, :32] = c.query
+    out_store = torch.full((c.query.shape[0], 4, 40), math.nan)
+    pk.paged_attention(q_store[:, :, :32], c.key_cache, c.value_cache, c.block_tables,
+                       c.seq_lens, cu_seqlens_q=c.cu_seqlens_q, out=out_store[:, :, :32],
+                       backend="cpu")
+    want, _ = dense_oracle(c)
+    assert rel_err(out_store[:, :, :32], want) <= TOL[torch.float32]
+    assert torch.isnan(out_store[:, :, 32:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thread_count_does_not_change_the_result(dtype):
+    c = build_case([300, 17, 260], [300, 1, 20], (9, 3), 64, 16, dtype, seed=11)
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(run_cpu(c, return_lse=True))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_auto_picks_cpu_for_cpu_tensors(monkeypatch):
+    from paged_kernels import backends
+    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    assert backends.resolve_backend("auto", torch.device("cpu")).name == "cpu"
+
+
+def test_bad_contents_unchecked_do_not_crash_and_checked_raise():
+    c = build_case([20, 40], [20, 2], (2, 1), 16, 4, torch.float32, seed=5)
+    bad = c.block_tables.clone()
+    bad[0, 1], bad[1, 0] = 10 ** 9, -7  # read entries out of range
+    long = torch.tensor([20, 10 ** 6], dtype=torch.int32)  # past the table's capacity
+    cu = torch.tensor([0, 50, 22], dtype=torch.int32)  # past num_tokens, decreasing
+    for table, lens, cu_q in ((bad, c.seq_lens, c.cu_seqlens_q), (c.block_tables, long, cu)):
+        out = pk.paged_attention(c.query, c.key_cache, c.value_cache, table, lens,
+                                 cu_seqlens_q=cu_q, backend="cpu", check=False)
+        assert out.shape == c.query.shape
+    with pytest.raises(ValueError, match="block_tables"):
+        pk.paged_attention(c.query, c.key_cache, c.value_cache, bad, c.seq_lens,
+                           cu_seqlens_q=c.cu_seqlens_q, backend="cpu", check=True)
+
+
+def test_write_kv_into_nhd_view_then_attend():
+    num_blocks, block_size, num_kv, d = 6, 4, 2, 24
+    storage = [torch.full((num_blocks, block_size, num_kv, d), math.nan, dtype=torch.bfloat16)
+               for _ in range(2)]
+    k_cache, v_cache = (s.permute(0, 2, 1, 3) for s in storage)
+    gen = torch.Generator().manual_seed(2)
+    keys, values = (torch.randn(10, num_kv, d, generator=gen).to(torch.bfloat16)
+                    for _ in range(2))
+    blocks = [4, 1, 3]
+    slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size
+                          for p in range(10)] + [-1])
+    pk.write_kv(torch.cat([keys, keys[:1]]), torch.cat([values, values[:1]]), k_cache, v_cache,
+                slots, backend="cpu")
+    for p in range(10):
+        assert torch.equal(k_cache[blocks[p // block_size], :, p % block_size], keys[p])
+        assert torch.equal(v_cache[blocks[p // block_size], :, p % block_size], values[p])
+    assert torch.isnan(k_cache[[0, 2, 5]].float()).all()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        pk.write_kv(keys, values, k_cache, v_cache, torch.full((10,), 99), backend="cpu")
+
+
+def test_build_flags_follow_the_cpu(tmp_path: Path):
+    from cpu_impl import build
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor : 0\nflags\t\t: fpu sse2 avx2 fma f16c\n")
+    with_simd = build.compile_flags(build.cpu_flags(info))
+    info.write_text("processor : 0\nflags\t\t: fpu sse2 avx2\n")
+    without = build.compile_flags(build.cpu_flags(info))
+    assert "-mavx2" in with_simd and "-mf16c" in with_simd
+    assert not any(f.startswith("-m") for f in without) and "-fopenmp" in without
+    assert "-march=native" not in with_simd
+    assert build.extension_name(with_simd) != build.extension_name(without)
+    assert build.cpu_flags(tmp_path / "missing") == frozenset()
