@@ -25,7 +25,9 @@ QUERY_TILE = 16
 
 
 class CpuBackend(Backend):
-    """Paged attention for CPU tensors; the thread count is torch's (`torch.set_num_threads`)."""
+    """C++/OpenMP paged attention for CPU tensors, compiled at first use (docs/cpu.md).
+
+    Runs on torch's thread count (`torch.set_num_threads`); the result does not depend on it."""
 
     name = "cpu"
     priority = 5
