@@ -12,7 +12,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from serve_process import ServerProcess
 
 KEY = "test-key-123"
