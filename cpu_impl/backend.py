@@ -1,15 +1,18 @@
 """Registers the "cpu" backend: the C++/OpenMP kernels of csrc/paged_attention.cpp on CPU tensors.
 
-Every dtype, head size, block size and feature of the ABI; strided caches and `out`. Contents are
-not checked unless asked (`check=True` / PAGED_KERNELS_CHECK=1), but a bad block id or length never
-makes the kernel read or write out of bounds (see the C++ file's header).
+Every dtype, head size, block size and feature of the ABI; strided caches and `out`.
+`always_check_contents` is False (the Python content checks run on request only), but the kernel
+scans the lengths and the block-table entries it will read before any work (microseconds on the
+CPU, no device to synchronise with) and, when they break the ABI's rules, this backend raises the
+ABI's own ValueError: a bad block id can neither crash nor silently produce numbers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from paged_kernels.abi import FEATURES, FLOAT_DTYPES, AttentionProblem, Support
+from paged_kernels.abi import (FEATURES, FLOAT_DTYPES, AttentionProblem, Support,
+                               check_attention_contents)
 from paged_kernels.backends import Backend, BackendUnavailable
 from reference.cache_ops import check_slots
 
@@ -46,7 +49,7 @@ class CpuBackend(Backend):
 
     def paged_attention(self, problem: AttentionProblem) -> None:
         p = problem
-        self._ext.paged_attention(
+        done = self._ext.paged_attention(
             p.query, p.key_cache, p.value_cache, p.block_tables.contiguous(),
             p.seq_lens.contiguous(),
             None if p.cu_seqlens_q is None else p.cu_seqlens_q.contiguous(),
@@ -54,6 +57,10 @@ class CpuBackend(Backend):
             0 if p.sliding_window is None else p.sliding_window,
             0.0 if p.soft_cap is None else p.soft_cap,
             QUERY_TILE, torch.get_num_threads())
+        if not done:  # the kernel's content scan failed: raise the ABI's own message
+            check_attention_contents(p)
+            raise AssertionError("cpu kernel rejected contents that check_attention_contents "
+                                 "accepts")
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -169,19 +169,27 @@ def test_auto_picks_cpu_for_cpu_tensors(monkeypatch):
     assert backends.resolve_backend("auto", torch.device("cpu")).name == "cpu"
 
 
-def test_bad_contents_unchecked_do_not_crash_and_checked_raise():
+@pytest.mark.parametrize("check", [False, True])
+def test_bad_contents_raise_the_abi_error_even_unchecked(check):
+    """The kernel's own content scan is cheap on the CPU, so it runs even with check=False."""
     c = build_case([20, 40], [20, 2], (2, 1), 16, 4, torch.float32, seed=5)
-    bad = c.block_tables.clone()
-    bad[0, 1], bad[1, 0] = 10 ** 9, -7  # read entries out of range
-    long = torch.tensor([20, 10 ** 6], dtype=torch.int32)  # past the table's capacity
-    cu = torch.tensor([0, 50, 22], dtype=torch.int32)  # past num_tokens, decreasing
-    for table, lens, cu_q in ((bad, c.seq_lens, c.cu_seqlens_q), (c.block_tables, long, cu)):
-        out = pk.paged_attention(c.query, c.key_cache, c.value_cache, table, lens,
-                                 cu_seqlens_q=cu_q, backend="cpu", check=False)
-        assert out.shape == c.query.shape
-    with pytest.raises(ValueError, match="block_tables"):
-        pk.paged_attention(c.query, c.key_cache, c.value_cache, bad, c.seq_lens,
-                           cu_seqlens_q=c.cu_seqlens_q, backend="cpu", check=True)
+    table = c.block_tables
+    bad_ids = [table.clone(), table.clone()]
+    bad_ids[0][0, 4], bad_ids[1][1, 0] = 10 ** 9, -7  # last read entry; first read entry
+    bad = [(t, c.seq_lens, c.cu_seqlens_q, "block_tables") for t in bad_ids] + [
+        (table, torch.tensor([20, 10 ** 6], dtype=torch.int32), c.cu_seqlens_q, "seq_lens"),
+        (table, c.seq_lens, torch.tensor([0, 23, 22], dtype=torch.int32), "cu_seqlens_q"),
+        (table, torch.tensor([20, 1], dtype=torch.int32), c.cu_seqlens_q, "cu_seqlens_q"),
+    ]
+    for t, lens, cu, arg in bad:
+        with pytest.raises(ValueError, match=arg):
+            pk.paged_attention(c.query, c.key_cache, c.value_cache, t, lens, cu_seqlens_q=cu,
+                               backend="cpu", check=check)
+    decode = build_case([3, 5], None, (2, 1), 16, 4, torch.float32, seed=6)
+    with pytest.raises(ValueError, match="seq_lens"):
+        pk.paged_attention(decode.query, decode.key_cache, decode.value_cache,
+                           decode.block_tables, torch.tensor([3, 0], dtype=torch.int32),
+                           backend="cpu", check=check)
 
 
 def test_write_kv_into_nhd_view_then_attend():

@@ -10,11 +10,11 @@
 // each chunk does scores -> soft cap -> ALiBi -> mask, then one online-softmax step (running max m,
 // running sum l, accumulator acc rescaled by exp(m_old - m_new)), all in float32.
 //
-// Invariants relied on (checked on the host by paged_kernels.abi): the last dimension of query,
-// caches and out is contiguous; shapes agree. Contents are NOT trusted: a block id outside
-// [0, num_blocks) masks its keys, lengths are clamped to the block table and to num_tokens, so a
-// bad input gives undefined numbers but never an out-of-bounds access. Keys at positions >= seq_len
-// are never touched.
+// Invariants relied on: shapes and strides were checked on the host by paged_kernels.abi (the last
+// dimension of query, caches and out is contiguous). Contents are validated here before any work
+// (contents_valid: a scan of the lengths and of the block-table entries that are read, microseconds
+// on the CPU): an invalid problem computes nothing and the caller raises the ABI's error. Keys at
+// positions >= seq_len and block-table entries past ceil(seq_len / block_size) are never touched.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -178,6 +178,28 @@ void seq_extent(const Problem& p, int64_t s, int64_t& q0, int64_t& q_len, int64_
   seq_len = std::clamp<int64_t>(p.seq_lens[s], 0, p.max_blocks * p.block_size);
 }
 
+// The ABI's content rules (paged_kernels.abi.check_attention_contents), as one cheap scan.
+bool contents_valid(const Problem& p) {
+  const int64_t capacity = p.max_blocks * p.block_size;
+  if (p.cu_seqlens_q != nullptr &&
+      (p.cu_seqlens_q[0] != 0 || p.cu_seqlens_q[p.num_seqs] != p.num_tokens))
+    return false;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t seq_len = p.seq_lens[s];
+    if (seq_len < 0 || seq_len > capacity) return false;
+    if (p.cu_seqlens_q != nullptr) {
+      const int64_t q_len = int64_t{p.cu_seqlens_q[s + 1]} - p.cu_seqlens_q[s];
+      if (q_len < 0 || q_len > seq_len) return false;
+    } else if (seq_len < 1) {
+      return false;
+    }
+    const int32_t* table = p.block_tables + s * p.max_blocks;
+    for (int64_t b = 0; b < (seq_len + p.block_size - 1) / p.block_size; ++b)
+      if (table[b] < 0 || table[b] >= p.num_blocks) return false;
+  }
+  return true;
+}
+
 std::vector<Item> plan(const Problem& p, int64_t tile) {
   std::vector<Item> items;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
@@ -199,7 +221,7 @@ std::vector<Item> plan(const Problem& p, int64_t tile) {
 struct Scratch {
   std::vector<float> q, acc, scores, m, l, kf, vrow;
   std::vector<int64_t> pos;
-  std::vector<const void*> kp, vp;  // this chunk's K/V row pointers (nullptr: bad block id)
+  std::vector<const void*> kp, vp;  // this chunk's K/V row pointers
   Scratch(int rows, int d) : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows),
                              l(rows), kf(KEY_CHUNK * d), vrow(d), pos(rows), kp(KEY_CHUNK),
                              vp(KEY_CHUNK) {}
@@ -247,35 +269,28 @@ class ItemKernel {
   }
 
   // Row pointers of K and V for positions [c0, c0 + n), walking the block table (no division per
-  // key); nullptr for a block id outside [0, num_blocks). Returns whether any was nullptr.
-  bool locate(int64_t c0, int n) {
+  // key). Block ids were validated by contents_valid.
+  void locate(int64_t c0, int n) {
     int64_t b = c0 / p_.block_size, off = c0 % p_.block_size;
     const int32_t* table = p_.block_tables + it_.seq * p_.max_blocks;
-    bool bad = false;
     for (int jj = 0; jj < n; ++jj) {
       int64_t id = table[b];
-      if (id < 0 || id >= p_.num_blocks) {
-        sc_.kp[jj] = sc_.vp[jj] = nullptr;
-        bad = true;
-      } else {
-        sc_.kp[jj] = k_ + id * p_.k_s0 + it_.kv_head * p_.k_s1 + off * p_.k_s2;
-        sc_.vp[jj] = v_ + id * p_.v_s0 + it_.kv_head * p_.v_s1 + off * p_.v_s2;
-      }
+      sc_.kp[jj] = k_ + id * p_.k_s0 + it_.kv_head * p_.k_s1 + off * p_.k_s2;
+      sc_.vp[jj] = v_ + id * p_.v_s0 + it_.kv_head * p_.v_s1 + off * p_.v_s2;
       if (++off == p_.block_size) {
         off = 0;
         ++b;
       }
     }
-    return bad;
   }
 
   void chunk(int64_t c0, int64_t c1) {
     const int n = static_cast<int>(c1 - c0);
     const int n8 = (n + 7) / 8 * 8;
-    bool bad = locate(c0, n);
-    float* kf = sc_.kf.data();  // [n8][d], rows past n and bad rows zero
+    locate(c0, n);
+    float* kf = sc_.kf.data();  // [n8][d], rows past n zero
     for (int jj = 0; jj < n8; ++jj) {
-      if (jj < n && sc_.kp[jj] != nullptr)
+      if (jj < n)
         to_float(static_cast<const T*>(sc_.kp[jj]), kf + jj * d_, d_);
       else
         std::fill_n(kf + jj * d_, d_, 0.f);
@@ -283,13 +298,13 @@ class ItemKernel {
     for (int r = 0; r < rows_; ++r)
       for (int jj = 0; jj < n; jj += 8)
         scores8(&sc_.q[r * d_], kf + jj * d_, d_, &sc_.scores[r * KEY_CHUNK + jj]);
-    for (int r = 0; r < rows_; ++r) finish_scores(r, c0, n, bad);
+    for (int r = 0; r < rows_; ++r) finish_scores(r, c0, n);
     softmax_step(n);
     accumulate_values(n);
   }
 
   // Soft cap, ALiBi, then the mask: row r sees positions [pos - window + 1, pos].
-  void finish_scores(int r, int64_t c0, int n, bool bad) {
+  void finish_scores(int r, int64_t c0, int n) {
     float* s = &sc_.scores[r * KEY_CHUNK];
     const int64_t pos = sc_.pos[r];
     if (p_.soft_cap > 0.f)
@@ -303,9 +318,6 @@ class ItemKernel {
     int b = static_cast<int>(std::clamp<int64_t>(pos + 1 - c0, a, n));
     std::fill(s, s + a, NEG_INF);
     std::fill(s + b, s + n, NEG_INF);
-    if (bad)
-      for (int jj = a; jj < b; ++jj)
-        if (sc_.kp[jj] == nullptr) s[jj] = NEG_INF;
   }
 
   // Online softmax: scores become weights exp(s - m_new); acc and l are rescaled to m_new.
@@ -333,7 +345,6 @@ class ItemKernel {
   void accumulate_values(int n) {
     float* vrow = sc_.vrow.data();
     for (int jj = 0; jj < n; ++jj) {
-      if (sc_.vp[jj] == nullptr) continue;  // its weights are 0 (masked key)
       bool any = false;
       for (int r = 0; r < rows_ && !any; ++r) any = sc_.scores[r * KEY_CHUNK + jj] != 0.f;
       if (!any) continue;
@@ -388,8 +399,10 @@ void run_items(const Problem& p, const at::Tensor& query, const at::Tensor& key_
 
 }  // namespace
 
-// Entry point; see cpu_impl/kernels.py for the contract of each argument.
-void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
+// Entry point (called by cpu_impl/backend.py with a checked AttentionProblem's fields; sliding_window
+// <= 0 and soft_cap <= 0 mean none). Returns false, having written nothing, when the contents break
+// the ABI's rules.
+bool paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const c10::optional<at::Tensor>& cu_seqlens_q,
                      at::Tensor out, const c10::optional<at::Tensor>& lse,
@@ -429,6 +442,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   p.scale = static_cast<float>(scale);
   p.soft_cap = static_cast<float>(soft_cap);
   p.window = sliding_window;
+  if (!contents_valid(p)) return false;
   if (p.cu_seqlens_q == nullptr) tile = 1;
   tile = std::max<int64_t>(1, tile);
   if (query.scalar_type() == at::kFloat)
@@ -439,6 +453,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
     run_items<at::BFloat16>(p, query, key_cache, value_cache, out, tile, threads);
   else
     TORCH_CHECK(false, "query: expected float32, float16 or bfloat16, got ", query.scalar_type());
+  return true;
 }
 
 // write_kv: cache[slot / block_size, :, slot % block_size] = row for every slot in [0, capacity);
@@ -467,6 +482,6 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention (see cpu_impl/kernels.py)");
-  m.def("write_kv", &write_kv, "scatter K/V rows into the caches (see cpu_impl/kernels.py)");
+  m.def("paged_attention", &paged_attention, "paged attention (see cpu_impl/backend.py)");
+  m.def("write_kv", &write_kv, "scatter K/V rows into the caches (see cpu_impl/backend.py)");
 }
