@@ -138,10 +138,6 @@ inline float exp_shifted(float* x, int n, float shift) {
 }
 #endif
 
-inline void axpy(float alpha, const float* x, float* y, int n) {
-  for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
-
 // --- the problem, flattened -----------------------------------------------------------------
 
 struct Problem {
@@ -219,11 +215,11 @@ std::vector<Item> plan(const Problem& p, int64_t tile) {
 
 // Per-thread scratch, sized once per call.
 struct Scratch {
-  std::vector<float> q, acc, scores, m, l, kf, vrow;
+  std::vector<float> q, acc, scores, m, l, kf, vf;
   std::vector<int64_t> pos;
   std::vector<const void*> kp, vp;  // this chunk's K/V row pointers
   Scratch(int rows, int d) : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows),
-                             l(rows), kf(KEY_CHUNK * d), vrow(d), pos(rows), kp(KEY_CHUNK),
+                             l(rows), kf(KEY_CHUNK * d), vf(KEY_CHUNK * d), pos(rows), kp(KEY_CHUNK),
                              vp(KEY_CHUNK) {}
 };
 
@@ -342,18 +338,44 @@ class ItemKernel {
     }
   }
 
+  // acc[r] += sum_j w[r][j] * V[j] over the chunk: V rows converted once into vf, then rows in
+  // groups of up to 4 with their 8-float slices of acc held in registers across the chunk's keys.
   void accumulate_values(int n) {
-    float* vrow = sc_.vrow.data();
-    for (int jj = 0; jj < n; ++jj) {
-      bool any = false;
-      for (int r = 0; r < rows_ && !any; ++r) any = sc_.scores[r * KEY_CHUNK + jj] != 0.f;
-      if (!any) continue;
-      to_float(static_cast<const T*>(sc_.vp[jj]), vrow, d_);
-      for (int r = 0; r < rows_; ++r) {
-        float w = sc_.scores[r * KEY_CHUNK + jj];
-        if (w != 0.f) axpy(w, vrow, &sc_.acc[r * d_], d_);
-      }
+    float* vf = sc_.vf.data();
+    for (int jj = 0; jj < n; ++jj) to_float(static_cast<const T*>(sc_.vp[jj]), vf + jj * d_, d_);
+    int r0 = 0;
+    for (; r0 + 4 <= rows_; r0 += 4) accumulate_rows<4>(r0, n);
+    switch (rows_ - r0) {
+      case 3: accumulate_rows<3>(r0, n); break;
+      case 2: accumulate_rows<2>(r0, n); break;
+      case 1: accumulate_rows<1>(r0, n); break;
+      default: break;
     }
+  }
+
+  template <int NR>  // a compile-time row count keeps the accumulators in registers
+  void accumulate_rows(int r0, int n) {
+    const float* w = &sc_.scores[r0 * KEY_CHUNK];
+    const float* vf = sc_.vf.data();
+    float* acc = &sc_.acc[r0 * d_];
+    int x = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; x + 8 <= d_; x += 8) {
+      __m256 a[NR];
+      for (int i = 0; i < NR; ++i) a[i] = _mm256_loadu_ps(acc + i * d_ + x);
+      for (int jj = 0; jj < n; ++jj) {
+        __m256 v = _mm256_loadu_ps(vf + jj * d_ + x);
+        for (int i = 0; i < NR; ++i)
+          a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * KEY_CHUNK + jj), v, a[i]);
+      }
+      for (int i = 0; i < NR; ++i) _mm256_storeu_ps(acc + i * d_ + x, a[i]);
+    }
+#endif
+    for (int i = 0; i < NR; ++i)
+      for (int jj = 0; jj < n; ++jj) {
+        const float wi = w[i * KEY_CHUNK + jj];
+        for (int y = x; y < d_; ++y) acc[i * d_ + y] += wi * vf[jj * d_ + y];
+      }
   }
 
   void store() {
