@@ -41,7 +41,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 inline void to_float(const float* src, float* dst, int n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 inline void to_float(const at::BFloat16* src, float* dst, int n) {
-  // bf16 is the top half of a float32: widen by a 16-bit shift (vectorises).
+  // bf16 is the top half of a float32: widen by a 16-bit shift (auto-vectorised).
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
   for (int i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
@@ -61,27 +61,76 @@ inline void to_float(const at::Half* src, float* dst, int n) {
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
 
+inline float scalar_float(float x) { return x; }
+inline float scalar_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline float scalar_float(at::Half x) { return static_cast<float>(x); }
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PK_SIMD 1
+// Eight consecutive elements widened to float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
 // --- small vector kernels -----------------------------------------------------------------
 
-// scores[i] = dot(q, k + i * d) for the 8 key rows at k (each d floats, rows contiguous).
-#if defined(__AVX2__) && defined(__FMA__)
-inline void scores8(const float* q, const float* k, int d, float* scores) {
+// scores[i] = dot(q, k[i]) for 8 key rows k[0..8) (float32 or a 16-bit type widened on load).
+#if defined(PK_SIMD)
+inline __m256 reduce8(const __m256* acc) {
+  // Transpose-and-add: hadd pairs within 128-bit lanes, then add the two lanes; lane i = sum(acc[i]).
+  __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+  __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <typename S>
+inline void scores8(const float* q, const S* const* k, int d, float* scores) {
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   int x = 0;
   for (; x + 8 <= d; x += 8) {
     __m256 qv = _mm256_loadu_ps(q + x);
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * d + x), acc[i]);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, load8(k[i] + x), acc[i]);
   }
-  // Transpose-and-add: hadd pairs within 128-bit lanes, then add the two lanes.
-  __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
-  __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
-  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                             _mm256_permute2f128_ps(u0, u1, 0x31));
-  _mm256_storeu_ps(scores, sum);
+  _mm256_storeu_ps(scores, reduce8(acc));
   for (; x < d; ++x)
-    for (int i = 0; i < 8; ++i) scores[i] += q[x] * k[i * d + x];
+    for (int i = 0; i < 8; ++i) scores[i] += q[x] * scalar_float(k[i][x]);
+}
+
+// Two query rows against 4 key rows: each K load feeds two FMAs (scores8 is load-bound).
+// s0[i] = dot(q0, k[i]), s1[i] = dot(q1, k[i]), i < 4.
+template <typename S>
+inline void scores2x4(const float* q0, const float* q1, const S* const* k, int d, float* s0,
+                      float* s1) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  int x = 0;
+  for (; x + 8 <= d; x += 8) {
+    __m256 a = _mm256_loadu_ps(q0 + x), b = _mm256_loadu_ps(q1 + x);
+    for (int i = 0; i < 4; ++i) {
+      __m256 kv = load8(k[i] + x);
+      acc[i] = _mm256_fmadd_ps(a, kv, acc[i]);
+      acc[4 + i] = _mm256_fmadd_ps(b, kv, acc[4 + i]);
+    }
+  }
+  alignas(32) float all[8];
+  _mm256_store_ps(all, reduce8(acc));
+  for (; x < d; ++x)
+    for (int i = 0; i < 4; ++i) {
+      all[i] += q0[x] * scalar_float(k[i][x]);
+      all[4 + i] += q1[x] * scalar_float(k[i][x]);
+    }
+  for (int i = 0; i < 4; ++i) {
+    s0[i] = all[i];
+    s1[i] = all[4 + i];
+  }
 }
 
 // exp(x) with a degree-6 polynomial after range reduction (relative error ~2e-7); inputs below
@@ -118,16 +167,31 @@ inline float exp_shifted(float* x, int n, float shift) {
   return sum;
 }
 #else
-inline void scores8(const float* q, const float* k, int d, float* scores) {
-  for (int i = 0; i < 8; ++i) {
-    float part[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // vectorisable without fast-math
-    int x = 0;
-    for (; x + LANES <= d; x += LANES)
-      for (int l = 0; l < LANES; ++l) part[l] += q[x + l] * k[i * d + x + l];
-    float s = 0.f;
-    for (; x < d; ++x) s += q[x] * k[i * d + x];
-    for (int l = 0; l < LANES; ++l) s += part[l];
-    scores[i] = s;
+// Portable: LANES partial sums so that the compiler vectorises without -ffast-math (which would
+// break the masks' -inf handling).
+template <typename S>
+inline float dot_rows(const float* q, const S* k, int d) {
+  float part[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int x = 0;
+  for (; x + LANES <= d; x += LANES)
+    for (int l = 0; l < LANES; ++l) part[l] += q[x + l] * scalar_float(k[x + l]);
+  float s = 0.f;
+  for (; x < d; ++x) s += q[x] * scalar_float(k[x]);
+  for (int l = 0; l < LANES; ++l) s += part[l];
+  return s;
+}
+
+template <typename S>
+inline void scores8(const float* q, const S* const* k, int d, float* scores) {
+  for (int i = 0; i < 8; ++i) scores[i] = dot_rows(q, k[i], d);
+}
+
+template <typename S>
+inline void scores2x4(const float* q0, const float* q1, const S* const* k, int d, float* s0,
+                      float* s1) {
+  for (int i = 0; i < 4; ++i) {
+    s0[i] = dot_rows(q0, k[i], d);
+    s1[i] = dot_rows(q1, k[i], d);
   }
 }
 
@@ -214,20 +278,22 @@ std::vector<Item> plan(const Problem& p, int64_t tile) {
 }
 
 // Per-thread scratch, sized once per call.
+template <typename T>
 struct Scratch {
   std::vector<float> q, acc, scores, m, l, kf, vf;
   std::vector<int64_t> pos;
-  std::vector<const void*> kp, vp;  // this chunk's K/V row pointers
+  std::vector<const T*> kp, vp;     // this chunk's K/V row pointers in the caches
+  std::vector<const float*> kfp, vfp;  // rows of kf / vf
   Scratch(int rows, int d) : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows),
                              l(rows), kf(KEY_CHUNK * d), vf(KEY_CHUNK * d), pos(rows), kp(KEY_CHUNK),
-                             vp(KEY_CHUNK) {}
+                             vp(KEY_CHUNK), kfp(KEY_CHUNK), vfp(KEY_CHUNK) {}
 };
 
 template <typename T>
 class ItemKernel {
  public:
   ItemKernel(const Problem& p, const T* q, const T* k, const T* v, T* out, const Item& it,
-             Scratch& sc)
+             Scratch<T>& sc)
       : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
         g_(p.group()), rows_(static_cast<int>(it.rows) * g_) {}
 
@@ -278,25 +344,44 @@ class ItemKernel {
         ++b;
       }
     }
+    for (int jj = n; jj < (n + 7) / 8 * 8; ++jj) {  // padding for the 8-key score kernels
+      sc_.kp[jj] = sc_.kp[0];
+      sc_.vp[jj] = sc_.vp[0];
+    }
   }
 
   void chunk(int64_t c0, int64_t c1) {
     const int n = static_cast<int>(c1 - c0);
-    const int n8 = (n + 7) / 8 * 8;
     locate(c0, n);
-    float* kf = sc_.kf.data();  // [n8][d], rows past n zero
-    for (int jj = 0; jj < n8; ++jj) {
-      if (jj < n)
-        to_float(static_cast<const T*>(sc_.kp[jj]), kf + jj * d_, d_);
-      else
-        std::fill_n(kf + jj * d_, d_, 0.f);
+    if (rows_ <= 4) {  // decode: K widened straight from the cache
+      compute_scores(sc_.kp.data(), n);
+    } else {  // many rows: each K row widened once into kf, then reused by every row pair
+      float* kf = sc_.kf.data();
+      for (int jj = 0; jj < n; ++jj) {
+        to_float(sc_.kp[jj], kf + jj * d_, d_);
+        sc_.kfp[jj] = kf + jj * d_;
+      }
+      for (int jj = n; jj < (n + 7) / 8 * 8; ++jj) sc_.kfp[jj] = kf;
+      compute_scores(sc_.kfp.data(), n);
     }
-    for (int r = 0; r < rows_; ++r)
-      for (int jj = 0; jj < n; jj += 8)
-        scores8(&sc_.q[r * d_], kf + jj * d_, d_, &sc_.scores[r * KEY_CHUNK + jj]);
     for (int r = 0; r < rows_; ++r) finish_scores(r, c0, n);
     softmax_step(n);
     accumulate_values(n);
+  }
+
+  // Raw scores q . k for every row and key of the chunk; key rows are padded to a multiple of 8
+  // with valid rows (their scores are never used).
+  template <typename S>
+  void compute_scores(const S* const* krows, int n) {
+    float* S_ = sc_.scores.data();
+    int r = 0;
+    for (; r + 2 <= rows_; r += 2)
+      for (int jj = 0; jj < n; jj += 4)
+        scores2x4(&sc_.q[r * d_], &sc_.q[(r + 1) * d_], krows + jj, d_, S_ + r * KEY_CHUNK + jj,
+                  S_ + (r + 1) * KEY_CHUNK + jj);
+    if (r < rows_)
+      for (int jj = 0; jj < n; jj += 8)
+        scores8(&sc_.q[r * d_], krows + jj, d_, S_ + r * KEY_CHUNK + jj);
   }
 
   // Soft cap, ALiBi, then the mask: row r sees positions [pos - window + 1, pos].
@@ -338,33 +423,44 @@ class ItemKernel {
     }
   }
 
-  // acc[r] += sum_j w[r][j] * V[j] over the chunk: V rows converted once into vf, then rows in
-  // groups of up to 4 with their 8-float slices of acc held in registers across the chunk's keys.
+  // acc[r] += sum_j w[r][j] * V[j] over the chunk, rows in groups of up to 4 whose 8-float slices
+  // of acc stay in registers across the chunk's keys. With at most 4 rows (decode) V is widened
+  // straight from the cache; otherwise each V row is widened once into vf and reused per group.
   void accumulate_values(int n) {
+    if (rows_ <= 4) {
+      accumulate_group(0, rows_, n, sc_.vp.data());
+      return;
+    }
     float* vf = sc_.vf.data();
-    for (int jj = 0; jj < n; ++jj) to_float(static_cast<const T*>(sc_.vp[jj]), vf + jj * d_, d_);
-    int r0 = 0;
-    for (; r0 + 4 <= rows_; r0 += 4) accumulate_rows<4>(r0, n);
-    switch (rows_ - r0) {
-      case 3: accumulate_rows<3>(r0, n); break;
-      case 2: accumulate_rows<2>(r0, n); break;
-      case 1: accumulate_rows<1>(r0, n); break;
-      default: break;
+    for (int jj = 0; jj < n; ++jj) {
+      to_float(sc_.vp[jj], vf + jj * d_, d_);
+      sc_.vfp[jj] = vf + jj * d_;
+    }
+    for (int r0 = 0; r0 < rows_; r0 += 4)
+      accumulate_group(r0, std::min(4, rows_ - r0), n, sc_.vfp.data());
+  }
+
+  template <typename S>
+  void accumulate_group(int r0, int nr, int n, const S* const* vrows) {
+    switch (nr) {
+      case 4: accumulate_rows<4>(r0, n, vrows); break;
+      case 3: accumulate_rows<3>(r0, n, vrows); break;
+      case 2: accumulate_rows<2>(r0, n, vrows); break;
+      default: accumulate_rows<1>(r0, n, vrows); break;
     }
   }
 
-  template <int NR>  // a compile-time row count keeps the accumulators in registers
-  void accumulate_rows(int r0, int n) {
+  template <int NR, typename S>  // a compile-time row count keeps the accumulators in registers
+  void accumulate_rows(int r0, int n, const S* const* vrows) {
     const float* w = &sc_.scores[r0 * KEY_CHUNK];
-    const float* vf = sc_.vf.data();
     float* acc = &sc_.acc[r0 * d_];
     int x = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(PK_SIMD)
     for (; x + 8 <= d_; x += 8) {
       __m256 a[NR];
       for (int i = 0; i < NR; ++i) a[i] = _mm256_loadu_ps(acc + i * d_ + x);
       for (int jj = 0; jj < n; ++jj) {
-        __m256 v = _mm256_loadu_ps(vf + jj * d_ + x);
+        __m256 v = load8(vrows[jj] + x);
         for (int i = 0; i < NR; ++i)
           a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * KEY_CHUNK + jj), v, a[i]);
       }
@@ -374,7 +470,7 @@ class ItemKernel {
     for (int i = 0; i < NR; ++i)
       for (int jj = 0; jj < n; ++jj) {
         const float wi = w[i * KEY_CHUNK + jj];
-        for (int y = x; y < d_; ++y) acc[i * d_ + y] += wi * vf[jj * d_ + y];
+        for (int y = x; y < d_; ++y) acc[i * d_ + y] += wi * scalar_float(vrows[jj][y]);
       }
   }
 
@@ -396,7 +492,7 @@ class ItemKernel {
   const T* v_;
   T* out_;
   const Item& it_;
-  Scratch& sc_;
+  Scratch<T>& sc_;
   const int d_, g_, rows_;
 };
 
@@ -413,7 +509,7 @@ void run_items(const Problem& p, const at::Tensor& query, const at::Tensor& key_
   int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
 #pragma omp parallel num_threads(nthreads)
   {
-    Scratch sc(rows, static_cast<int>(p.head_size));
+    Scratch<T> sc(rows, static_cast<int>(p.head_size));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) ItemKernel<T>(p, q, k, v, o, items[i], sc).run();
   }
