@@ -229,7 +229,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.engine = self._build()
+            self._warm_up()
             self.last_stats = self.engine.stats()
+            self.metrics.set_baseline(self.last_stats)
         except BaseException as exc:  # any failure means "not ready", logged
             logger.exception("engine start-up failed")
             self.load_error = exc
@@ -250,6 +252,18 @@ class AsyncEngine:
                 self._post(acks, self.engine.stats(), num_added)
             if self.engine.has_unfinished_requests():
                 self._post(self._step(), self.engine.stats(), 0)
+
+    def _warm_up(self) -> None:
+        """Runs one tiny request before the server reports ready, so that one-time costs (a
+        backend compiling its kernels, oneDNN picking its primitives) are not paid by the first
+        client."""
+        from engine.sampling_params import SamplingParams
+
+        request_id = "__warmup__"
+        self.engine.add_request(request_id, [self.engine.tokenizer.bos_token_id or 0] * 4,
+                                SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
 
     def _post(self, deltas: list[tuple[str, RequestDelta]], stats: Any, num_added: int) -> None:
         assert self._loop is not None

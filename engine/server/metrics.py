@@ -91,6 +91,13 @@ class ServerMetrics:
                 getattr(self, attr).inc(value - self._engine_counts[key])
                 self._engine_counts[key] = value
 
+    def set_baseline(self, stats: Any) -> None:
+        """Takes the engine's cumulative counts in `stats` as the zero of the counters (work done
+        before serving, such as the warm-up request, is not reported)."""
+        get = stats.get if isinstance(stats, dict) else (lambda k, d=None: getattr(stats, k, d))
+        for key in _ENGINE_COUNTERS:
+            self._engine_counts[key] = int(get(key, 0) or 0)
+
     def observe_finished(self, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()
 
