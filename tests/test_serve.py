@@ -281,6 +281,21 @@ def test_16_concurrent_streams(server, model, http):
     assert metric(http, "vllm:num_requests_running") == 0
 
 
+def test_load_generator_against_the_server(server, model):
+    from bench.load_gen import build_parser, run, table
+
+    for mode in (["--concurrency", "4"], ["--rate", "50"]):
+        args = build_parser().parse_args([
+            "--base-url", server.base_url, *mode, "--num-prompts", "4", "--prompt-len", "8",
+            "--output-len", "3", "--vocab-size", "49152", "--warmup", "0"])
+        summary = asyncio.run(run(args))
+        assert summary["model"] == model and summary["num_ok"] == 4, summary["errors"]
+        assert summary["total_output_tokens"] == 12 and summary["total_input_tokens"] == 32
+        assert summary["output_throughput_tok_s"] > 0
+        assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_latency_ms"]["p50"]
+        assert summary["tpot_ms"]["p50"] > 0 and "TPOT" in table(summary)
+
+
 def test_abort_stream_on_disconnect_frees_blocks(server, http, model):
     idle = wait_idle(http)
     aborted_before = metric(http, "vllm:request_success_total", 'finished_reason="abort"')
