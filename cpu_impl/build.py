@@ -18,7 +18,7 @@ from typing import Optional
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
 _SIMD = ("avx2", "fma", "f16c")
 
-_module: Optional[ModuleType] = None
+_modules: dict[tuple[str, ...], ModuleType] = {}
 
 
 class BuildFailed(RuntimeError):
@@ -51,22 +51,26 @@ def extension_name(cflags: list[str]) -> str:
     return f"pk_cpu_{digest}"
 
 
-def load() -> ModuleType:
-    """The compiled module (built on the first call of the process, cached on disk after)."""
-    global _module
-    if _module is not None:
-        return _module
+def load(cflags: Optional[list[str]] = None) -> ModuleType:
+    """The compiled module for `cflags` (default: `compile_flags` of this CPU), built on the first
+    call of the process for those flags and cached on disk after. Tests pass the portable flags
+    (`compile_flags(frozenset())`) to check the non-SIMD code path too."""
+    if cflags is None:
+        cflags = compile_flags(cpu_flags())
+    key = tuple(cflags)
+    if key in _modules:
+        return _modules[key]
     from torch.utils import cpp_extension
 
-    cflags = compile_flags(cpu_flags())
     name = extension_name(cflags)
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     if not any(build_dir.glob(f"{name}*.so")):
         print(f"paged_kernels cpu backend: compiling {SOURCE.name} ({' '.join(cflags)}), "
               "once per machine (~30 s)", file=sys.stderr, flush=True)
     try:
-        _module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=cflags,
-                                     extra_ldflags=["-fopenmp"], verbose=False)
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=cflags,
+                                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # the compiler's output is in the message
         raise BuildFailed(f"building {SOURCE} failed: {exc}") from exc
-    return _module
+    _modules[key] = module
+    return module

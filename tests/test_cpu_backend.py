@@ -225,3 +225,23 @@ def test_build_flags_follow_the_cpu(tmp_path: Path):
     assert "-march=native" not in with_simd
     assert build.extension_name(with_simd) != build.extension_name(without)
     assert build.cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_portable_build_matches_the_simd_build():
+    """The non-SIMD code path (CPUs without AVX2/FMA/F16C), compiled here with the portable flags
+    (a second build, ~30 s the first time, cached after), against the oracle."""
+    from cpu_impl import build
+    portable = build.load(build.compile_flags(frozenset()))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for q_lens, d in ((None, 64), ([9, 1, 40], 20)):
+            seq_lens = [33, 70, 5] if q_lens is None else [9, 17, 50]
+            c = build_case(seq_lens, q_lens, (6, 2), d, 8, dtype, seed=d)
+            out = torch.full_like(c.query, math.nan)
+            lse = torch.empty(c.query.shape[:2])
+            alibi = torch.tensor([0.5 ** (h + 1) for h in range(6)])
+            assert portable.paged_attention(c.query, c.key_cache, c.value_cache, c.block_tables,
+                                             c.seq_lens, c.cu_seqlens_q, out, lse, alibi,
+                                             1 / math.sqrt(d), 30, 4.0, 16, 2)
+            want, want_lse = dense_oracle(c, window=30, soft_cap=4.0, alibi=alibi)
+            assert rel_err(out, want) <= TOL[dtype]
+            assert rel_err(lse, want_lse) <= TOL[dtype]
