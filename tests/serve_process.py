@@ -49,8 +49,9 @@ class ServerProcess:
         with httpx.Client(timeout=10.0) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
-                                       f"{self.log_text()}")
+                    text = self.log_text()
+                    self.stop()
+                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{text}")
                 try:
                     r = client.get(f"{self.base_url}/health")
                 except httpx.TransportError:
@@ -65,8 +66,9 @@ class ServerProcess:
                                     headers=early_headers or {})
                     self.early_completion = (e.status_code, _json_or_none(e))
                 time.sleep(0.05)
+        text = self.log_text()
         self.stop()
-        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.log_text()}")
+        raise TimeoutError(f"server not healthy after {timeout} s:\n{text}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -85,6 +87,8 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         self.log.close()
+        if os.path.exists(self.log.name):
+            os.unlink(self.log.name)
 
 
 def _json_or_none(response: httpx.Response) -> Optional[dict]:
