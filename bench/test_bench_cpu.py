@@ -21,7 +21,7 @@ SHAPES = {  # name -> (batch, context, q_len)
     "decode-16x300": (16, 300, 1),
     "prefill-256": (1, 256, 256),
 }
-HEADS = dict(num_heads=9, num_kv_heads=3, head_size=64, block_size=16)
+HEADS = {"num_heads": 9, "num_kv_heads": 3, "head_size": 64, "block_size": 16}
 
 
 def ms_per_call(shape: str, backend: str, threads: int, dtype: torch.dtype,

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from paged_kernels.abi import (FEATURES, FLOAT_DTYPES, AttentionProblem, Support,
-                               check_attention_contents)
+from paged_kernels.abi import (
+    FEATURES,
+    FLOAT_DTYPES,
+    AttentionProblem,
+    Support,
+    check_attention_contents,
+)
 from paged_kernels.backends import Backend, BackendUnavailable
 from reference.cache_ops import check_slots
 

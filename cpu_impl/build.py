@@ -13,7 +13,6 @@ import hashlib
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
 _SIMD = ("avx2", "fma", "f16c")
@@ -51,7 +50,7 @@ def extension_name(cflags: list[str]) -> str:
     return f"pk_cpu_{digest}"
 
 
-def load(cflags: Optional[list[str]] = None) -> ModuleType:
+def load(cflags: list[str] | None = None) -> ModuleType:
     """The compiled module for `cflags` (default: `compile_flags` of this CPU), built on the first
     call of the process for those flags and cached on disk after. Tests pass the portable flags
     (`compile_flags(frozenset())`) to check the non-SIMD code path too."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -28,13 +27,13 @@ class Case:
     value_cache: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
-    cu_seqlens_q: Optional[torch.Tensor]
+    cu_seqlens_q: torch.Tensor | None
     keys: list[torch.Tensor]    # float64 [seq_len, num_kv_heads, head_size] per sequence
     values: list[torch.Tensor]
     q_lens: list[int]
 
 
-def build_case(seq_lens: list[int], q_lens: Optional[list[int]], heads: tuple[int, int],
+def build_case(seq_lens: list[int], q_lens: list[int] | None, heads: tuple[int, int],
                head_size: int, block_size: int, dtype: torch.dtype, *, nhd: bool = False,
                seed: int = 0) -> Case:
     """Random K/V scattered through a shuffled block table into NaN-filled caches; table entries
@@ -71,8 +70,8 @@ def build_case(seq_lens: list[int], q_lens: Optional[list[int]], heads: tuple[in
                 keys, values, q_counts)
 
 
-def dense_oracle(c: Case, *, window: Optional[int] = None, soft_cap: Optional[float] = None,
-                 alibi: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_oracle(c: Case, *, window: int | None = None, soft_cap: float | None = None,
+                 alibi: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 (out, lse) from the unpaged K/V, one query token at a time."""
     num_heads, head_size = c.query.shape[1:]
     scale = 1.0 / math.sqrt(head_size)
@@ -128,7 +127,7 @@ def test_decode_and_mixed_match_oracle(dtype, head_size, block_size, heads):
 def test_features_with_lse_and_nhd_caches(dtype):
     c = build_case([40, 130, 7], [40, 66, 1], (6, 2), 64, 16, dtype, nhd=True, seed=7)
     alibi = torch.tensor([2.0 ** (-(h + 1)) for h in range(6)])
-    kwargs = dict(sliding_window=45, soft_cap=3.0, alibi_slopes=alibi)
+    kwargs = {"sliding_window": 45, "soft_cap": 3.0, "alibi_slopes": alibi}
     out, lse = run_cpu(c, return_lse=True, **kwargs)
     want, want_lse = dense_oracle(c, window=45, soft_cap=3.0, alibi=alibi)
     assert rel_err(out, want) <= TOL[dtype]
