@@ -329,7 +329,7 @@ def check_attention_contents(p: AttentionProblem) -> None:
                   f"{p.num_tokens}", cu.tolist())
         if bool((q_lens > seq_lens).any()):
             s = int(torch.nonzero(q_lens > seq_lens)[0])
-            _fail(ValueError, "cu_seqlens_q", f"q_len <= seq_len for every sequence",
+            _fail(ValueError, "cu_seqlens_q", "q_len <= seq_len for every sequence",
                   f"q_len {int(q_lens[s])} > seq_len {int(seq_lens[s])} for sequence {s}")
     elif bool((seq_lens < 1).any()):
         _fail(ValueError, "seq_lens", "values >= 1 for decode (each query is in the cache)",
@@ -340,3 +340,11 @@ def check_attention_contents(p: AttentionProblem) -> None:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= p.num_blocks):
         _fail(ValueError, "block_tables", f"block ids in [0, {p.num_blocks}) in the entries "
               "that are read", f"min {int(ids.min())}, max {int(ids.max())}")
+
+
+def check_slot_contents(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """The content check of `write_kv` (synchronises): every non-negative slot is below
+    `num_slots = num_blocks * block_size`."""
+    if slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
+        _fail(ValueError, "slot_mapping", f"slots < num_blocks * block_size = {num_slots} "
+              "(or negative to skip)", f"max {int(slot_mapping.max())}")

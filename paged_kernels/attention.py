@@ -17,6 +17,7 @@ from paged_kernels.abi import (
     _require_tensor,
     check_attention_args,
     check_attention_contents,
+    check_slot_contents,
     content_checks_requested,
     require_int_tensor,
 )
@@ -117,15 +118,21 @@ def write_kv(
     slot_mapping: torch.Tensor,
     *,
     backend: str = "auto",
+    check: Optional[bool] = None,
 ) -> None:
     """Writes token `i`'s `key[i]`/`value[i]` (`[num_kv_heads, head_size]`) to slot
     `slot_mapping[i] = block * block_size + offset` of the caches; negative slots are skipped.
-    Slots must be distinct among the non-negative ones (a slot written twice is undefined)."""
+    Slots must be distinct among the non-negative ones (a slot written twice is undefined).
+    `check=True` (or PAGED_KERNELS_CHECK=1) also checks that every slot is in range; backends
+    that do not check skip out-of-range slots."""
     key, value, k_cache, v_cache = check_write_kv_args(key, value, key_cache, value_cache,
                                                        slot_mapping)
-    if key.shape[0]:
-        resolve_backend(backend, k_cache.device).write_kv(key, value, k_cache, v_cache,
-                                                          slot_mapping)
+    if not key.shape[0]:
+        return
+    impl = resolve_backend(backend, k_cache.device)
+    if impl.always_check_contents or content_checks_requested(check):
+        check_slot_contents(slot_mapping, k_cache.shape[0] * k_cache.shape[2])
+    impl.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def _check_block_mapping(block_mapping: object, device: torch.device) -> torch.Tensor:

@@ -16,9 +16,9 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """`cache[slot // block_size, :, slot % block_size] = row` for every non-negative slot."""
+    """`cache[slot // block_size, :, slot % block_size] = row` for every non-negative slot
+    (slots were checked to be in range by `paged_kernels.attention.write_kv`)."""
     block_size = key_cache.shape[2]
-    check_slots(slot_mapping, key_cache.shape[0] * block_size)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size

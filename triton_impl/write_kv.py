@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_kernels.abi import content_checks_requested
 
 
 @triton.jit
@@ -46,25 +45,16 @@ def _write_kv_kernel(
              + d[None, :], v, mask=mask)
 
 
-def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    """Raises ValueError if a non-negative slot is `>= num_slots` (synchronises)."""
-    if slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
-        raise ValueError(f"slot_mapping: expected slots < num_blocks * block_size = {num_slots} "
-                         f"(or negative to skip), got max {int(slot_mapping.max())}")
-
-
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """`cache[slot // block_size, :, slot % block_size] = row` for every non-negative slot.
 
-    Arguments were checked by `paged_kernels.attention.write_kv`. Slots past the cache raise
-    ValueError when content checks are requested (PAGED_KERNELS_CHECK, docs/abi.md); otherwise
-    (no host synchronisation) the kernel skips them.
+    Arguments were checked by `paged_kernels.attention.write_kv`, and slots past the cache too
+    when content checks were requested (docs/abi.md); otherwise (no host synchronisation) the
+    kernel skips them.
     """
     num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
     num_slots = num_blocks * block_size
-    if content_checks_requested(None):
-        check_slots(slot_mapping, num_slots)
     head_pad = triton.next_power_of_2(head_size)
     _write_kv_kernel[(key.shape[0],)](
         key, value, key_cache, value_cache, slot_mapping, num_slots,
