@@ -3,7 +3,8 @@
 A case holds, for each sequence, its K/V as plain float64 tensors (the truth the oracle reads) and
 the same values scattered into a paged cache through a random, shuffled block table:
 - every cache slot that no sequence owns (unused blocks, the tail of each last block) is NaN;
-- block-table entries past `ceil(seq_len / block_size)` hold out-of-range ids or -1;
+- block-table entries past `ceil(seq_len / block_size)` hold out-of-range ids or -1, or (with
+  `table_pad="nan_block"`) the id of a block nobody owns, so a read of one shows as NaN;
 - with `share_prefix`, the second half of the sequences reuse the first sequence's full prefix
   blocks (same block ids, same values), as prefix caching and copy-on-write do.
 """
@@ -61,22 +62,59 @@ def _assign_blocks(gen: torch.Generator, seq_lens: Sequence[int], block_size: in
     return tables, total
 
 
+def nan_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_size: int,
+              dtype: torch.dtype, *, nhd: bool = False, row_pad: tuple[int, int] = (0, 0),
+              device: str = "cpu") -> torch.Tensor:
+    """A NaN-filled cache viewed as the ABI's `[num_blocks, num_kv_heads, block_size, head_size]`.
+
+    `nhd=True` stores `[num_blocks, block_size, num_kv_heads, head_size]` and returns the permuted
+    view; `row_pad=(before, after)` stores each head_size row inside a wider one, so the last dim
+    stays contiguous while the row stride grows (and an odd `before` misaligns the base)."""
+    width = row_pad[0] + head_size + row_pad[1]
+    shape = (num_blocks, block_size, num_kv_heads, width) if nhd else \
+        (num_blocks, num_kv_heads, block_size, width)
+    cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    cache = cache[..., row_pad[0]:row_pad[0] + head_size]
+    return cache.permute(0, 2, 1, 3) if nhd else cache
+
+
+def _block_table(gen: torch.Generator, tables: list[list[int]], num_blocks: int,
+                 extra_table: int, nan_block: Optional[int]) -> torch.Tensor:
+    """int32 `[num_seqs, max blocks + extra_table]`; entries past a sequence's blocks are
+    `nan_block`, or, when that is None, out-of-range ids and -1."""
+    max_blocks = max(len(t) for t in tables) + extra_table
+    table = torch.full((len(tables), max_blocks), 0, dtype=torch.int32)
+    for s, t in enumerate(tables):
+        table[s, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        if nan_block is not None:
+            table[s, len(t):] = nan_block
+            continue
+        pad = torch.randint(num_blocks, 2**31 - 1, (max_blocks - len(t),), generator=gen)
+        pad[::2] = -1
+        table[s, len(t):] = pad.to(torch.int32)
+    return table
+
+
 def make_case(
     seq_lens: Sequence[int], q_lens: Optional[Sequence[int]], *, num_heads: int,
     num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
-    seed: int = 0, share_prefix: bool = False, nhd: bool = False, spare_blocks: int = 3,
-    device: str = "cpu",
+    seed: int = 0, share_prefix: bool = False, nhd: bool = False,
+    row_pad: tuple[int, int] = (0, 0), spare_blocks: int = 3, extra_table: int = 2,
+    table_pad: str = "garbage", device: str = "cpu",
 ) -> PagedCase:
     """A random case. `q_lens=None` means decode (one query per sequence, no cu_seqlens_q).
-    `nhd=True` stores the cache as `[num_blocks, block_size, num_kv_heads, head_size]` and passes
-    the permuted (strided) view."""
+    `nhd` and `row_pad` choose the cache layout (see `nan_cache`). The block table has
+    `extra_table` entries past the longest sequence's blocks; `table_pad` fills every unused entry
+    with "garbage" (out-of-range ids and -1) or "nan_block" (a spare, never-written block)."""
+    if table_pad not in ("garbage", "nan_block"):
+        raise ValueError(f"table_pad must be 'garbage' or 'nan_block', got {table_pad!r}")
+    if table_pad == "nan_block" and spare_blocks < 1:
+        raise ValueError(f"table_pad='nan_block' needs spare_blocks >= 1, got {spare_blocks}")
     gen = torch.Generator().manual_seed(seed)
     shared = _shared_blocks(seq_lens, block_size, share_prefix)
     tables, num_blocks = _assign_blocks(gen, seq_lens, block_size, shared, spare_blocks)
-    shape = (num_blocks, block_size, num_kv_heads, head_size) if nhd else \
-        (num_blocks, num_kv_heads, block_size, head_size)
-    caches = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(2)]
-    views = [c.permute(0, 2, 1, 3) if nhd else c for c in caches]
+    views = [nan_cache(num_blocks, num_kv_heads, block_size, head_size, dtype, nhd=nhd,
+                       row_pad=row_pad, device=device) for _ in range(2)]
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for s, n in enumerate(seq_lens):
@@ -91,13 +129,10 @@ def make_case(
                 view[block, :, :rows.shape[0]] = rows.transpose(0, 1).to(dtype)
         keys.append(kv[0])
         values.append(kv[1])
-    max_blocks = max(len(t) for t in tables) + 2
-    table = torch.full((len(seq_lens), max_blocks), 0, dtype=torch.int32)
-    for s, t in enumerate(tables):
-        table[s, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        pad = torch.randint(num_blocks, 2**31 - 1, (max_blocks - len(t),), generator=gen)
-        pad[::2] = -1
-        table[s, len(t):] = pad.to(torch.int32)
+    nan_block = None
+    if table_pad == "nan_block":
+        nan_block = min(set(range(num_blocks)) - {b for t in tables for b in t})
+    table = _block_table(gen, tables, num_blocks, extra_table, nan_block)
     cu = None
     if q_lens is not None:
         cu = torch.tensor([0, *torch.tensor(list(q_lens)).cumsum(0).tolist()], dtype=torch.int32)
@@ -105,7 +140,7 @@ def make_case(
     query = _round_trip(torch.randn(num_tokens, num_heads, head_size, generator=gen,
                                     dtype=torch.float64), dtype).to(dtype)
     to = torch.device(device)
-    return PagedCase(query.to(to), views[0].to(to), views[1].to(to), table.to(to),
+    return PagedCase(query.to(to), views[0], views[1], table.to(to),
                      torch.tensor(list(seq_lens), dtype=torch.int32, device=to),
                      None if cu is None else cu.to(to), keys, values,
                      list(q_lens) if q_lens is not None else [1] * len(seq_lens))
