@@ -1,9 +1,10 @@
 """The CUDA kernels (cuda/csrc) run by the host emulator, as backend "cuda-host".
 
-Checked against a float64 dense oracle written here (no code shared with the kernels, the
-reference backend or tests/oracle.py): NaN in every cache slot and block that must not be read,
-shuffled block tables, GQA/MQA, decode with forced split-K partitions, varlen on the mma (f16,
-bf16) and SIMT (f32) kernels, every feature. Beyond values, the emulator checks the kernels'
+Checked against the float64 dense oracle of tests/oracle.py (no code shared with the kernels or
+the reference backend) on cases from tests/paged_case.py: NaN in every cache slot and block that
+must not be read (unused block-table entries name a NaN block), shuffled block tables, GQA/MQA,
+decode with forced split-K partitions, varlen on the mma (f16, bf16) and SIMT (f32) kernels,
+every feature. Beyond values, the emulator checks the kernels'
 synchronisation: a kernel without data races gives bit-identical results whatever order the
 threads run in between barriers, so each kernel is run under the forward, reverse and random
 schedules (PK_HOST_SCHEDULE) and the outputs must be equal to the bit.
@@ -12,13 +13,15 @@ schedules (PK_HOST_SCHEDULE) and the outputs must be equal to the bit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import pytest
 import torch
 
+import paged_case
 import paged_kernels as pk
+from oracle import attention_oracle, rel_error
+from paged_case import PagedCase
 from paged_kernels.abi import check_attention_args
 
 BACKEND = "cuda-host"
@@ -30,101 +33,18 @@ def _available():
         pytest.skip(f"{BACKEND} unavailable: {pk.unavailable_backends().get(BACKEND)}")
 
 
-# ---- the oracle ----
-
-def oracle(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-           q_lens: list[int], scale: float, window: Optional[int] = None,
-           soft_cap: Optional[float] = None, slopes: Optional[torch.Tensor] = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention in float64: each sequence's queries are its last q_len positions."""
-    num_heads = q.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    lse = torch.zeros(q.shape[:2], dtype=torch.float64)
-    row = 0
-    for k, v, q_len in zip(keys, values, q_lens):
-        length, group = k.shape[0], num_heads // k.shape[1]
-        k64, v64 = k.double(), v.double()
-        for i in range(q_len):
-            pos = length - q_len + i
-            key_pos = torch.arange(length, dtype=torch.float64)
-            mask = key_pos <= pos
-            if window is not None:
-                mask &= key_pos > pos - window
-            for h in range(num_heads):
-                s = (k64[:, h // group] @ q[row, h].double()) * scale
-                if soft_cap is not None:
-                    s = soft_cap * torch.tanh(s / soft_cap)
-                if slopes is not None:
-                    s = s + float(slopes[h]) * (key_pos - pos)
-                s = s.masked_fill(~mask, -math.inf)
-                lse[row, h] = torch.logsumexp(s, 0)
-                out[row, h] = torch.softmax(s, 0) @ v64[:, h // group]
-            row += 1
-    return out, lse
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
-
-
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
-# ---- paged cases ----
-
-@dataclass
-class Case:
-    query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_seqlens_q: Optional[torch.Tensor]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    q_lens: list[int]
-
-
 def make_case(seq_lens: list[int], q_lens: Optional[list[int]], *, heads: int, kv_heads: int,
-              head_size: int, block_size: int, dtype: torch.dtype, seed: int = 0,
-              strided: bool = False) -> Case:
-    """Random K/V scattered into shuffled blocks of NaN-filled caches. Table entries past a
-    sequence's blocks point at a NaN block, so reading one would show in the result."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_of = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_of) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    spare = order.pop()  # never written: all NaN
-    shape = (num_blocks, block_size, kv_heads, head_size) if strided else \
-        (num_blocks, kv_heads, block_size, head_size)
-    caches = [torch.full(shape, math.nan, dtype=dtype) for _ in range(2)]
-    if strided:  # [blocks, slots, heads, dim] viewed as [blocks, heads, slots, dim]
-        caches = [c.permute(0, 2, 1, 3) for c in caches]
-    width = max(blocks_of) + 2
-    table = torch.full((len(seq_lens), width), spare, dtype=torch.int32)
-    keys, values = [], []
-    for s, n in enumerate(seq_lens):
-        k = torch.randn(n, kv_heads, head_size, generator=g).to(dtype)
-        v = torch.randn(n, kv_heads, head_size, generator=g).to(dtype)
-        for b in range(blocks_of[s]):
-            blk = order.pop()
-            table[s, b] = blk
-            rows = slice(b * block_size, min(n, (b + 1) * block_size))
-            caches[0][blk, :, : rows.stop - rows.start] = k[rows].transpose(0, 1)
-            caches[1][blk, :, : rows.stop - rows.start] = v[rows].transpose(0, 1)
-        keys.append(k)
-        values.append(v)
-    lens = q_lens if q_lens is not None else [1] * len(seq_lens)
-    query = torch.randn(sum(lens), heads, head_size, generator=g).to(dtype)
-    cu = None
-    if q_lens is not None:
-        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return Case(query, caches[0], caches[1], table, torch.tensor(seq_lens, dtype=torch.int32),
-                cu, keys, values, lens)
+              strided: bool = False, **kwargs) -> PagedCase:
+    """A tests/paged_case.py case whose block-table entries past a sequence's blocks point at a
+    NaN block, so reading one would show in the result; `strided` stores the cache NHD."""
+    return paged_case.make_case(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads,
+                                nhd=strided, table_pad="nan_block", **kwargs)
 
 
-def run(case: Case, **kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def run(case: PagedCase, **kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     out = torch.full_like(case.query, math.nan)
     result = pk.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
                                 case.seq_lens, cu_seqlens_q=case.cu_seqlens_q, out=out,
@@ -136,15 +56,12 @@ def run(case: Case, **kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     return out, None
 
 
-def check(case: Case, dtype: torch.dtype, **kwargs) -> None:
+def check(case: PagedCase, dtype: torch.dtype, **kwargs) -> None:
     out, lse = run(case, return_lse=True, **kwargs)
-    scale = kwargs.get("scale") or 1.0 / math.sqrt(case.query.shape[2])
-    want, want_lse = oracle(case.query, case.keys, case.values, case.q_lens, scale,
-                            kwargs.get("sliding_window"), kwargs.get("soft_cap"),
-                            kwargs.get("alibi_slopes"))
+    want, want_lse = attention_oracle(case.query, case.keys, case.values, case.q_lens, **kwargs)
     assert not torch.isnan(out).any()
-    assert rel_err(out, want) <= TOL[dtype], rel_err(out, want)
-    assert rel_err(lse, want_lse) <= TOL[dtype], rel_err(lse, want_lse)
+    assert rel_error(out, want) <= TOL[dtype], rel_error(out, want)
+    assert rel_error(lse, want_lse) <= TOL[dtype], rel_error(lse, want_lse)
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -218,8 +135,8 @@ def test_out_strided_and_only_out_written():
     out = storage[:, :, 64:128]
     pk.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
                        case.seq_lens, cu_seqlens_q=case.cu_seqlens_q, out=out, backend=BACKEND)
-    want, _ = oracle(case.query, case.keys, case.values, case.q_lens, 1 / 8)
-    assert rel_err(out, want) <= TOL[torch.float16]
+    want, _ = attention_oracle(case.query, case.keys, case.values, case.q_lens, scale=1 / 8)
+    assert rel_error(out, want) <= TOL[torch.float16]
     assert torch.isnan(storage[:, :, :64]).all() and torch.isnan(storage[:, :, 128:]).all()
 
 
