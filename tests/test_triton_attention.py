@@ -2,16 +2,15 @@
 non-power-of-two head sizes, block sizes 8 and 256, strided caches, GQA/MQA, every feature.
 
 Runs natively on a CUDA device, else in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 is
-set below before Triton is imported). Checked against `_oracle`, a float64 dense attention written
-here from docs/abi.md; it shares no code with the kernels. Unused cache slots are NaN, unused
-block-table entries are garbage, block tables are shuffled.
+set below before Triton is imported). Checked against tests/oracle.py, a float64 dense attention
+that shares no code with the kernels, on cases from tests/paged_case.py: unused cache slots are
+NaN, unused block-table entries are garbage, block tables are shuffled.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import pytest
@@ -27,108 +26,28 @@ if "triton" not in pk.available_backends():
     pytest.skip(f"triton backend unavailable: {pk.unavailable_backends().get('triton')}",
                 allow_module_level=True)
 
+import paged_case  # noqa: E402
+from oracle import attention_oracle  # noqa: E402
 from triton_impl import decode, runtime  # noqa: E402
 
 DEVICE = "cpu" if runtime.interpreting() else "cuda"
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-@dataclass
-class Case:
-    """A paged batch plus the same K/V, unpaged, in float64 for the oracle."""
-
-    query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_seqlens_q: Optional[torch.Tensor]
-    keys: list[torch.Tensor]  # per sequence, float64 [seq_len, num_kv_heads, head_size]
-    values: list[torch.Tensor]
-    q_lens: list[int]
-
-
-def _alloc_cache(num_blocks: int, kv_heads: int, block_size: int, head_size: int,
-                 dtype: torch.dtype, layout: str) -> torch.Tensor:
-    """A NaN-filled cache; 'nhd' and 'padded' give non-contiguous views with the ABI's strides."""
-    if layout == "nhd":
-        base = torch.full((num_blocks, block_size, kv_heads, head_size), math.nan, dtype=dtype)
-        return base.permute(0, 2, 1, 3)
-    if layout == "padded":
-        base = torch.full((num_blocks, kv_heads, block_size, head_size + 8), math.nan, dtype=dtype)
-        return base[..., 3:3 + head_size]
-    return torch.full((num_blocks, kv_heads, block_size, head_size), math.nan, dtype=dtype)
-
-
 def make_case(seq_lens: list[int], q_lens: Optional[list[int]], *, heads: tuple[int, int] = (4, 2),
               head_size: int = 32, block_size: int = 16, dtype: torch.dtype = torch.float32,
-              layout: str = "contiguous", seed: int = 0, extra_table: int = 2) -> Case:
-    """`q_lens=None` builds a decode batch (one query per sequence)."""
-    gen = torch.Generator().manual_seed(seed)
-    num_heads, kv_heads = heads
-    needed = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(needed) + 3  # spare blocks stay NaN
-    width = max(needed + [1]) + extra_table
-    k_cache = _alloc_cache(num_blocks, kv_heads, block_size, head_size, dtype, layout)
-    v_cache = _alloc_cache(num_blocks, kv_heads, block_size, head_size, dtype, layout)
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.randint(-10**6, 10**6, (len(seq_lens), width), generator=gen, dtype=torch.int32)
-    keys, values = [], []
-    for s, n in enumerate(seq_lens):
-        k = torch.randn(n, kv_heads, head_size, generator=gen).to(dtype)
-        v = torch.randn(n, kv_heads, head_size, generator=gen).to(dtype)
-        for b in range(needed[s]):
-            block = ids.pop()
-            table[s, b] = block
-            rows = slice(b * block_size, min(n, (b + 1) * block_size))
-            used = rows.stop - rows.start
-            k_cache[block, :, :used] = k[rows].transpose(0, 1)
-            v_cache[block, :, :used] = v[rows].transpose(0, 1)
-        keys.append(k.double())
-        values.append(v.double())
-    num_tokens = len(seq_lens) if q_lens is None else sum(q_lens)
-    query = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype)
-    cu = None
-    if q_lens is not None:
-        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    return Case(to(query), to(k_cache), to(v_cache), to(table),
-                to(torch.tensor(seq_lens, dtype=torch.int32)), to(cu), keys, values,
-                [1] * len(seq_lens) if q_lens is None else list(q_lens))
+              layout: str = "hnd", **kwargs) -> paged_case.PagedCase:
+    """`paged_case.make_case` with this file's defaults, on DEVICE; `q_lens=None` is decode.
+    `layout` "nhd" permutes the cache, "padded" widens each row (contiguous last dim, larger
+    row stride, misaligned base)."""
+    return paged_case.make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                                head_size=head_size, block_size=block_size, dtype=dtype,
+                                nhd=layout == "nhd",
+                                row_pad=(3, 5) if layout == "padded" else (0, 0),
+                                device=DEVICE, **kwargs)
 
 
-def _oracle(case: Case, scale: Optional[float] = None, sliding_window: Optional[int] = None,
-            soft_cap: Optional[float] = None, alibi_slopes: Optional[torch.Tensor] = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 attention of each query row over its visible keys (docs/abi.md), row by row."""
-    q = case.query.double().cpu()
-    num_heads, head_size = q.shape[1], q.shape[2]
-    kv_heads = case.keys[0].shape[1] if case.keys else 1
-    group = num_heads // kv_heads
-    scale = 1.0 / math.sqrt(head_size) if scale is None else scale
-    out = torch.zeros_like(q)
-    lse = torch.zeros(q.shape[:2], dtype=torch.float64)
-    row = 0
-    for s, q_len in enumerate(case.q_lens):
-        k, v = case.keys[s], case.values[s]
-        seq_len = k.shape[0]
-        for i in range(q_len):
-            pos = seq_len - q_len + i
-            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            for h in range(num_heads):
-                scores = scale * (k[lo:pos + 1, h // group] @ q[row, h])
-                if soft_cap is not None:
-                    scores = soft_cap * torch.tanh(scores / soft_cap)
-                if alibi_slopes is not None:
-                    scores = scores + float(alibi_slopes[h]) * (
-                        torch.arange(lo, pos + 1, dtype=torch.float64) - pos)
-                lse[row, h] = torch.logsumexp(scores, 0)
-                out[row, h] = torch.softmax(scores, 0) @ v[lo:pos + 1, h // group]
-            row += 1
-    return out, lse
-
-
-def run(case: Case, out: Optional[torch.Tensor] = None, **kwargs
+def run(case: paged_case.PagedCase, out: Optional[torch.Tensor] = None, **kwargs
         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The triton backend's (out, lse) for `case`; `out` defaults to a NaN tensor to prove every
     element is written."""
@@ -141,13 +60,13 @@ def run(case: Case, out: Optional[torch.Tensor] = None, **kwargs
     return got, lse
 
 
-def check(case: Case, out: Optional[torch.Tensor] = None, **kwargs) -> tuple[torch.Tensor,
-                                                                           torch.Tensor]:
+def check(case: paged_case.PagedCase, out: Optional[torch.Tensor] = None, **kwargs
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs `case` and compares out and lse with the oracle."""
     got, lse = run(case, out, **kwargs)
     if "alibi_slopes" in kwargs:
         kwargs["alibi_slopes"] = kwargs["alibi_slopes"].cpu()
-    want, want_lse = _oracle(case, **kwargs)
+    want, want_lse = attention_oracle(case.query, case.keys, case.values, case.q_lens, **kwargs)
     tol = TOL[case.query.dtype]
     torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.double().cpu(), want_lse, atol=1e-4, rtol=1e-5)
