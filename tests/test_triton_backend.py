@@ -6,7 +6,7 @@ set below before Triton is imported).
 
 from __future__ import annotations
 
-import math
+import functools
 import os
 
 import pytest
@@ -22,6 +22,7 @@ if "triton" not in pk.available_backends():
     pytest.skip(f"triton backend unavailable: {pk.unavailable_backends().get('triton')}",
                 allow_module_level=True)
 
+from paged_case import nan_cache  # noqa: E402
 from paged_kernels.abi import check_attention_args  # noqa: E402
 from triton_impl import configs, decode, runtime  # noqa: E402
 from triton_impl.backend import TritonBackend  # noqa: E402
@@ -168,14 +169,7 @@ def test_fixed_split_size_sources(clean_split) -> None:
 
 # --- write_kv -------------------------------------------------------------------------------
 
-def _nan_cache(num_blocks: int, kv_heads: int, block_size: int, head_size: int,
-               dtype: torch.dtype, nhd: bool) -> torch.Tensor:
-    if nhd:
-        base = torch.full((num_blocks, block_size, kv_heads, head_size), math.nan, dtype=dtype,
-                          device=DEVICE)
-        return base.permute(0, 2, 1, 3)
-    return torch.full((num_blocks, kv_heads, block_size, head_size), math.nan, dtype=dtype,
-                      device=DEVICE)
+_nan_cache = functools.partial(nan_cache, device=DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -186,8 +180,8 @@ def test_write_kv(dtype: torch.dtype, nhd: bool, shape: tuple[int, int, int]) ->
     kv_heads, head_size, block_size = shape
     num_blocks, num_tokens = 5, 11
     gen = torch.Generator().manual_seed(1)
-    k_cache = _nan_cache(num_blocks, kv_heads, block_size, head_size, dtype, nhd)
-    v_cache = _nan_cache(num_blocks, kv_heads, block_size, head_size, dtype, nhd)
+    k_cache = _nan_cache(num_blocks, kv_heads, block_size, head_size, dtype, nhd=nhd)
+    v_cache = _nan_cache(num_blocks, kv_heads, block_size, head_size, dtype, nhd=nhd)
     # key/value as non-contiguous slices of a fused qkv-like tensor
     fused = torch.randn(num_tokens, 2 * kv_heads + 1, head_size, generator=gen).to(dtype)
     fused = fused.to(DEVICE)
@@ -197,8 +191,8 @@ def test_write_kv(dtype: torch.dtype, nhd: bool, shape: tuple[int, int, int]) ->
     slots = slots.to(DEVICE)
     pk.write_kv(key, value, k_cache, v_cache, slots, backend="triton")
 
-    want_k = _nan_cache(num_blocks, kv_heads, block_size, head_size, dtype, nhd)
-    want_v = _nan_cache(num_blocks, kv_heads, block_size, head_size, dtype, nhd)
+    want_k = _nan_cache(num_blocks, kv_heads, block_size, head_size, dtype, nhd=nhd)
+    want_v = _nan_cache(num_blocks, kv_heads, block_size, head_size, dtype, nhd=nhd)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
             want_k[slot // block_size, :, slot % block_size] = key[t]
@@ -210,8 +204,8 @@ def test_write_kv(dtype: torch.dtype, nhd: bool, shape: tuple[int, int, int]) ->
 def test_write_kv_out_of_range_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without content checks a slot past the cache is skipped (never written out of bounds);
     with PAGED_KERNELS_CHECK=1 it raises ValueError naming slot_mapping."""
-    k_cache = _nan_cache(2, 1, 8, 16, torch.float32, False)
-    v_cache = _nan_cache(2, 1, 8, 16, torch.float32, False)
+    k_cache = _nan_cache(2, 1, 8, 16, torch.float32)
+    v_cache = _nan_cache(2, 1, 8, 16, torch.float32)
     rows = torch.ones(2, 1, 16, device=DEVICE)
     slots = torch.tensor([3, 16], device=DEVICE)
     monkeypatch.delenv("PAGED_KERNELS_CHECK", raising=False)
@@ -225,8 +219,8 @@ def test_write_kv_out_of_range_slots(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_write_kv_then_attend_roundtrip() -> None:
     """Rows written by the Triton write_kv are what the Triton attention reads: a single visible
     key makes the output equal to its value row."""
-    k_cache = _nan_cache(4, 2, 16, 32, torch.float16, False)
-    v_cache = _nan_cache(4, 2, 16, 32, torch.float16, False)
+    k_cache = _nan_cache(4, 2, 16, 32, torch.float16)
+    v_cache = _nan_cache(4, 2, 16, 32, torch.float16)
     key = torch.randn(1, 2, 32, device=DEVICE).half()
     value = torch.randn(1, 2, 32, device=DEVICE).half()
     pk.write_kv(key, value, k_cache, v_cache, torch.tensor([2 * 16], device=DEVICE),
@@ -240,8 +234,8 @@ def test_write_kv_then_attend_roundtrip() -> None:
 
 
 def test_write_kv_strided_slot_mapping() -> None:
-    k_cache = _nan_cache(2, 1, 8, 16, torch.float32, False)
-    v_cache = _nan_cache(2, 1, 8, 16, torch.float32, False)
+    k_cache = _nan_cache(2, 1, 8, 16, torch.float32)
+    v_cache = _nan_cache(2, 1, 8, 16, torch.float32)
     rows = torch.arange(3 * 16, dtype=torch.float32, device=DEVICE).view(3, 1, 16)
     slots = torch.tensor([[5, 0], [-1, 0], [9, 0]], device=DEVICE)[:, 0]
     pk.write_kv(rows, rows, k_cache, v_cache, slots, backend="triton")
