@@ -1,8 +1,8 @@
 """Triton-specific attention tests: split-K, fixed-split determinism, the interpreter workaround,
 non-power-of-two head sizes, block sizes 8 and 256, strided caches, GQA/MQA, every feature.
 
-Runs natively on a CUDA device, else in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 is
-set below before Triton is imported). Checked against tests/oracle.py, a float64 dense attention
+Runs natively on a CUDA device, else in Triton's interpreter on CPU tensors (see
+tests/triton_env.py). Checked against tests/oracle.py, a float64 dense attention
 that shares no code with the kernels, on cases from tests/paged_case.py: unused cache slots are
 NaN, unused block-table entries are garbage, block tables are shuffled.
 """
@@ -10,27 +10,17 @@ NaN, unused block-table entries are garbage, block tables are shuffled.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+import paged_case
+import paged_kernels as pk
+from oracle import attention_oracle
+from triton_env import DEVICE  # before triton_impl: skips this module where triton is unusable
+from triton_impl import decode, runtime
 
-import paged_kernels as pk  # noqa: E402
-
-if "triton" not in pk.available_backends():
-    pytest.skip(f"triton backend unavailable: {pk.unavailable_backends().get('triton')}",
-                allow_module_level=True)
-
-import paged_case  # noqa: E402
-from oracle import attention_oracle  # noqa: E402
-from triton_impl import decode, runtime  # noqa: E402
-
-DEVICE = "cpu" if runtime.interpreting() else "cuda"
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 

@@ -1,33 +1,23 @@
 """The Triton backend's registration, launch-config table, split planning and write_kv kernel.
 
-Runs natively on a CUDA device, else in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 is
-set below before Triton is imported).
+Runs natively on a CUDA device, else in Triton's interpreter on CPU tensors (see
+tests/triton_env.py).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+import paged_kernels as pk
+from paged_case import nan_cache
+from paged_kernels.abi import check_attention_args
+from triton_env import DEVICE  # before triton_impl: skips this module where triton is unusable
+from triton_impl import configs, decode, runtime
+from triton_impl.backend import TritonBackend
 
-import paged_kernels as pk  # noqa: E402
-
-if "triton" not in pk.available_backends():
-    pytest.skip(f"triton backend unavailable: {pk.unavailable_backends().get('triton')}",
-                allow_module_level=True)
-
-from paged_case import nan_cache  # noqa: E402
-from paged_kernels.abi import check_attention_args  # noqa: E402
-from triton_impl import configs, decode, runtime  # noqa: E402
-from triton_impl.backend import TritonBackend  # noqa: E402
-
-DEVICE = "cpu" if runtime.interpreting() else "cuda"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
