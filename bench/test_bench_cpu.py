@@ -19,8 +19,12 @@ from paged_kernels import available_backends, paged_attention
 
 SHAPES = {  # name -> (batch, context, q_len)
     "decode-16x300": (16, 300, 1),
+    "decode-16x300-cold": (16, 300, 1),  # 30 layers' caches in turn, as in an engine step
     "prefill-256": (1, 256, 256),
 }
+#: Distinct problems cycled through for a "-cold" shape: 30 layers of K/V (~55 MB in bf16) do not
+#: fit the last-level cache, so every call reads its K/V from memory, as in the engine.
+COLD_LAYERS = 30
 HEADS = {"num_heads": 9, "num_kv_heads": 3, "head_size": 64, "block_size": 16}
 
 
@@ -28,13 +32,16 @@ def ms_per_call(shape: str, backend: str, threads: int, dtype: torch.dtype,
                 repeat: int = 30) -> tuple[float, float]:
     """(fastest, median) milliseconds of one `paged_attention` call with `threads` torch threads."""
     batch, context, q_len = SHAPES[shape]
-    p = make_problem(batch, context, q_len, dtype=dtype, device="cpu", **HEADS)
-    out = torch.empty_like(p.query)
+    layers = COLD_LAYERS if shape.endswith("-cold") else 1
+    problems = [make_problem(batch, context, q_len, dtype=dtype, device="cpu", **HEADS)
+                for _ in range(layers)]
+    out = torch.empty_like(problems[0].query)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     times = []
     try:
         for i in range(repeat + 3):
+            p = problems[i % layers]
             start = time.perf_counter()
             paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens,
                             cu_seqlens_q=p.cu_seqlens_q, out=out, backend=backend)
