@@ -147,6 +147,18 @@ def test_greedy_with_chunked_prefill(loaded, prompts, hf_greedy):
     assert_clean(llm)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_greedy_matches_transformers_on_each_cpu_backend(loaded, prompts, hf_greedy, backend):
+    import paged_kernels
+
+    if backend not in paged_kernels.available_backends():
+        pytest.skip(f"backend {backend!r} unavailable: "
+                    f"{paged_kernels.unavailable_backends().get(backend)}")
+    llm = make_llm(loaded, backend=backend, block_size=4, max_num_batched_tokens=12)
+    check_greedy(llm, prompts, hf_greedy)
+    assert_clean(llm)
+
+
 # ---------------------------------------------------------------------------- sharing blocks
 def test_n_samples_share_the_prompt_blocks(loaded, prompts):
     llm = make_llm(loaded)
