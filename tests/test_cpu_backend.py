@@ -162,6 +162,16 @@ def test_thread_count_does_not_change_the_result(dtype):
     assert torch.equal(results[0][1], results[1][1])
 
 
+def test_empty_batches():
+    c = build_case([5], [0], (2, 1), 8, 4, torch.float32)
+    out = run_cpu(c)  # a sequence with no query rows: nothing to write, no error
+    assert out.shape == (0, 2, 8)
+    none = torch.empty(0, 2, 8)
+    out = pk.paged_attention(none, c.key_cache, c.value_cache, c.block_tables[:0],
+                             c.seq_lens[:0], backend="cpu")
+    assert out.shape == (0, 2, 8)
+
+
 def test_auto_picks_cpu_for_cpu_tensors(monkeypatch):
     from paged_kernels import backends
     monkeypatch.delenv(backends.BACKEND_ENV, raising=False)

@@ -600,6 +600,10 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention (see cpu_impl/backend.py)");
-  m.def("write_kv", &write_kv, "scatter K/V rows into the caches (see cpu_impl/backend.py)");
+  // The GIL is released: the kernels touch no Python object, and a server's other threads (HTTP,
+  // tokenizer) keep running during a layer's attention.
+  m.def("paged_attention", &paged_attention, "paged attention (see cpu_impl/backend.py)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv", &write_kv, "scatter K/V rows into the caches (see cpu_impl/backend.py)",
+        py::call_guard<py::gil_scoped_release>());
 }
