@@ -218,8 +218,13 @@ def test_write_kv_into_nhd_view_then_attend():
         assert torch.equal(k_cache[blocks[p // block_size], :, p % block_size], keys[p])
         assert torch.equal(v_cache[blocks[p // block_size], :, p % block_size], values[p])
     assert torch.isnan(k_cache[[0, 2, 5]].float()).all()
+    before = [c.clone() for c in storage]
+    out_of_range = torch.tensor([num_blocks * block_size + 5] * 10)
+    pk.write_kv(keys, values, k_cache, v_cache, out_of_range, backend="cpu", check=False)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+               for a, b in zip(before, storage)), "an out-of-range slot was written"
     with pytest.raises(ValueError, match="slot_mapping"):
-        pk.write_kv(keys, values, k_cache, v_cache, torch.full((10,), 99), backend="cpu")
+        pk.write_kv(keys, values, k_cache, v_cache, out_of_range, backend="cpu", check=True)
 
 
 def test_build_flags_follow_the_cpu(tmp_path: Path):
