@@ -5,9 +5,10 @@ A backend is a `Backend` subclass registered by name with a lazy import path, so
 (missing package, no GPU) is simply absent from `available_backends()`; why is kept in
 `unavailable_backends()`.
 
-`backend="auto"` picks, among the available backends that run on the tensors' device, the one with
-the highest `priority`. The environment variable PAGED_KERNELS_BACKEND forces a name for every
-call that says "auto".
+`backend="auto"` tries the registered backends fastest first and takes the first that is
+available, runs on the tensors' device and has a priority >= 0 (interpreters and emulations have a
+negative priority and are never chosen, nor loaded, by "auto"). The environment variable
+PAGED_KERNELS_BACKEND forces a name for every call that says "auto".
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from paged_kernels.abi import AttentionProblem, Support
 
 BACKEND_ENV = "PAGED_KERNELS_BACKEND"
 
-#: name -> "module:attribute" of a zero-argument factory returning a Backend. Later issues add
-#: their backends here; nothing is imported until a backend is first asked for.
+#: name -> "module:attribute" of a zero-argument factory returning a Backend, in the order
+#: "auto" tries them (fastest first). Nothing is imported until a backend is first asked for.
 _REGISTRY: dict[str, str] = {
-    "reference": "reference.backend:ReferenceBackend",
-    "triton": "triton_impl.backend:TritonBackend",
     "cuda": "cuda.paged_cuda.backend:CudaBackend",
-    "cuda-host": "cuda.paged_cuda.host_backend:CudaHostBackend",
+    "triton": "triton_impl.backend:TritonBackend",
     "cpu": "cpu_impl.backend:CpuBackend",
+    "reference": "reference.backend:ReferenceBackend",
+    "cuda-host": "cuda.paged_cuda.host_backend:CudaHostBackend",
 }
 
 
@@ -45,7 +46,7 @@ class Backend(ABC):
 
     #: Registry name.
     name: str = ""
-    #: Higher wins for backend="auto" among backends that run on the tensors' device.
+    #: Orders `available_backends()`; a negative priority keeps "auto" from ever choosing it.
     priority: int = 0
     #: Whether content checks (block ids, lengths) always run before this backend.
     always_check_contents: bool = False
@@ -143,10 +144,16 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
         forced = os.environ.get(BACKEND_ENV)
         if forced:
             return get_backend(forced)
-        candidates = [get_backend(n) for n in available_backends()]
-        for backend in candidates:
-            if device.type in backend.support.device_types:
-                return backend
-        raise RuntimeError(f"no available backend runs on device {device}; available: "
-                           f"{[b.name for b in candidates]}")
+        return _auto(device)
     return get_backend(name)
+
+
+def _auto(device: torch.device) -> Backend:
+    """The first backend, in registry order, that runs on `device` with priority >= 0. Later
+    backends are not even loaded (an emulation's build costs minutes)."""
+    for name in _REGISTRY:
+        backend = _load(name)
+        if backend is not None and backend.priority >= 0 \
+                and device.type in backend.support.device_types:
+            return backend
+    raise RuntimeError(f"no backend runs on device {device}; unavailable: {_unavailable}")
