@@ -7,13 +7,6 @@ from typing import Sequence
 import torch
 
 
-def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    """Raises ValueError if a non-negative slot is `>= num_slots` (synchronises)."""
-    if slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
-        raise ValueError(f"slot_mapping: expected slots < num_blocks * block_size = {num_slots} "
-                         f"(or negative to skip), got max {int(slot_mapping.max())}")
-
-
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """`cache[slot // block_size, :, slot % block_size] = row` for every non-negative slot
