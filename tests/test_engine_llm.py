@@ -10,13 +10,11 @@ CPU time is scarce: one model of each kind per module, short prompts, few tokens
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from engine import LLM, BeamSearchParams, SamplingParams
-from engine.model.loader import default_model_path, load_model
+from engine.model.loader import load_model
 
 MAX_TOKENS = 6
 TEXTS = ["The capital of France is",
@@ -40,13 +38,8 @@ def loaded():
 
 
 @pytest.fixture(scope="module")
-def hf():
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return model.eval()
+def hf(hf_default_model):
+    return hf_default_model
 
 
 @pytest.fixture(scope="module")

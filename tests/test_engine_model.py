@@ -17,7 +17,7 @@ import torch
 
 from engine.model import AttentionMetadata, LlamaConfig, LlamaForCausalLM, load_model
 from engine.model.gguf_reader import unpermute_rotary_rows
-from engine.model.loader import _safetensors_weights, default_model_path, hf_config
+from engine.model.loader import _safetensors_weights, hf_config
 
 BLOCK_SIZE = 4
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n <", "Hi",
@@ -31,13 +31,8 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return model.eval()
+def hf_model(hf_default_model):
+    return hf_default_model
 
 
 class PagedSequences:
