@@ -1,109 +1,48 @@
-"""What is specific to the "cpu" backend (cpu_impl/): its own float64 oracle and problem builder
-(no code shared with the kernel or with tests/paged_case.py), NaN in every slot that must not be
-read, thread-count independence, head sizes that are not multiples of the SIMD width, block size 1,
-several query tiles and key chunks per sequence, memory safety on unchecked bad contents, and the
-build's flag choice."""
+"""What is specific to the "cpu" backend (cpu_impl/), against the shared float64 oracle
+(tests/oracle.py, no code shared with the kernel) on the shared NaN-poisoned paged cases
+(tests/paged_case.py): thread-count independence, head sizes that are not multiples of the SIMD
+width, block size 1, several query tiles and key chunks per sequence, memory safety on unchecked
+bad contents, and the build's flag choice."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 import paged_kernels as pk
+from oracle import attention_oracle, rel_error
+from paged_case import PagedCase, make_case
 
 pytestmark = pytest.mark.skipif("cpu" not in pk.available_backends(),
                                 reason=f"cpu backend unavailable: "
                                        f"{pk.unavailable_backends().get('cpu')}")
 
 
-@dataclass
-class Case:
-    query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_seqlens_q: torch.Tensor | None
-    keys: list[torch.Tensor]    # float64 [seq_len, num_kv_heads, head_size] per sequence
-    values: list[torch.Tensor]
-    q_lens: list[int]
-
-
 def build_case(seq_lens: list[int], q_lens: list[int] | None, heads: tuple[int, int],
                head_size: int, block_size: int, dtype: torch.dtype, *, nhd: bool = False,
-               seed: int = 0) -> Case:
-    """Random K/V scattered through a shuffled block table into NaN-filled caches; table entries
-    past each sequence's blocks hold -1 or huge ids (never to be read)."""
-    gen = torch.Generator().manual_seed(seed)
-    num_heads, num_kv = heads
-    needed = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(needed) + 3
-    shape = (num_blocks, block_size, num_kv, head_size) if nhd else \
-        (num_blocks, num_kv, block_size, head_size)
-    caches = [torch.full(shape, math.nan, dtype=dtype) for _ in range(2)]
-    views = [c.permute(0, 2, 1, 3) if nhd else c for c in caches]
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(needed) + 2
-    table = torch.full((len(seq_lens), width), 10 ** 9, dtype=torch.int32)
-    table[:, -1] = -1
-    keys, values = [], []
-    for s, n in enumerate(seq_lens):
-        ids, order = order[:needed[s]], order[needed[s]:]
-        table[s, :needed[s]] = torch.tensor(ids, dtype=torch.int32)
-        kv = [torch.randn(n, num_kv, head_size, generator=gen).to(dtype) for _ in range(2)]
-        for pos in range(n):
-            blk, off = ids[pos // block_size], pos % block_size
-            views[0][blk, :, off] = kv[0][pos]
-            views[1][blk, :, off] = kv[1][pos]
-        keys.append(kv[0].double())
-        values.append(kv[1].double())
-    q_counts = q_lens if q_lens is not None else [1] * len(seq_lens)
-    query = torch.randn(sum(q_counts), num_heads, head_size, generator=gen).to(dtype)
-    cu = None
-    if q_lens is not None:
-        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return Case(query, views[0], views[1], table, torch.tensor(seq_lens, dtype=torch.int32), cu,
-                keys, values, q_counts)
+               seed: int = 0) -> PagedCase:
+    """The shared NaN-poisoned case (tests/paged_case.py) with this file's argument order."""
+    return make_case(seq_lens, q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_size=head_size, block_size=block_size, dtype=dtype, nhd=nhd, seed=seed)
 
 
-def dense_oracle(c: Case, *, window: int | None = None, soft_cap: float | None = None,
+def dense_oracle(c: PagedCase, *, window: int | None = None, soft_cap: float | None = None,
                  alibi: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 (out, lse) from the unpaged K/V, one query token at a time."""
-    num_heads, head_size = c.query.shape[1:]
-    scale = 1.0 / math.sqrt(head_size)
-    outs, lses, t = [], [], 0
-    for k, v, q_len in zip(c.keys, c.values, c.q_lens):
-        group = num_heads // k.shape[1]
-        k_h, v_h = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, H, D]
-        for i in range(q_len):
-            pos = k.shape[0] - q_len + i
-            lo = 0 if window is None else max(0, pos - window + 1)
-            q = c.query[t].double()
-            s = torch.einsum("hd,nhd->hn", q, k_h[lo:pos + 1]) * scale
-            if soft_cap is not None:
-                s = soft_cap * torch.tanh(s / soft_cap)
-            if alibi is not None:
-                rel = torch.arange(lo, pos + 1, dtype=torch.float64) - pos
-                s = s + alibi.double()[:, None] * rel[None, :]
-            w = torch.softmax(s, dim=-1)
-            outs.append(torch.einsum("hn,nhd->hd", w, v_h[lo:pos + 1]))
-            lses.append(torch.logsumexp(s, dim=-1))
-            t += 1
-    return torch.stack(outs), torch.stack(lses)
+    """float64 (out, lse) from the unpaged K/V (tests/oracle.py)."""
+    return attention_oracle(c.query, c.keys, c.values, c.q_lens, sliding_window=window,
+                            soft_cap=soft_cap, alibi_slopes=alibi)
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+rel_err = rel_error
 
 
 TOL = {torch.float32: 2e-6, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
 
-def run_cpu(c: Case, **kwargs):
+def run_cpu(c: PagedCase, **kwargs):
     return pk.paged_attention(c.query, c.key_cache, c.value_cache, c.block_tables, c.seq_lens,
                               cu_seqlens_q=c.cu_seqlens_q, backend="cpu", **kwargs)
 
