@@ -146,6 +146,22 @@ pk_decode_kernel(const PkAttnParams p) {
     return static_cast<int64_t>(s_blocks[idx - first_idx]) * stride_block +
            static_cast<int64_t>(slot) * stride_slot;
   };
+  // This thread's 16-byte pieces of the rows base + u * ROWS_PER_STEP + row_in_step of one cache
+  // (K or V), all issued before any is used; zeros past the partition's n rows.
+  auto load_rows = [&](uint4 (&raw)[S::UNROLL][VPT], const T* cache, int base,
+                       int64_t stride_block, int64_t stride_slot) {
+#pragma unroll
+    for (int u = 0; u < S::UNROLL; ++u) {
+      const int i = base + u * S::ROWS_PER_STEP + row_in_step;
+      const T* row = i < n ? cache + row_offset(i, stride_block, stride_slot) : nullptr;
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        const int v = li + j * TG;
+        raw[u][j] = (row != nullptr && v < S::NVEC) ? pk_load16(row + v * VEC)
+                                                    : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  };
   float* logits = smem;  // [n][GROUP_TILE]
 
   // ---- phase 1: scores ----
@@ -162,18 +178,7 @@ pk_decode_kernel(const PkAttnParams p) {
     const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_stride_head;
     for (int base = 0; base < n; base += S::ROWS_PER_STEP * S::UNROLL) {
       uint4 raw[S::UNROLL][VPT];
-#pragma unroll
-      for (int u = 0; u < S::UNROLL; ++u) {
-        const int i = base + u * S::ROWS_PER_STEP + row_in_step;
-        const T* row = nullptr;
-        if (i < n) row = kbase + row_offset(i, p.k_stride_block, p.k_stride_slot);
-#pragma unroll
-        for (int j = 0; j < VPT; ++j) {
-          const int v = li + j * TG;
-          raw[u][j] = (row != nullptr && v < S::NVEC) ? pk_load16(row + v * VEC)
-                                                      : make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
+      load_rows(raw, kbase, base, p.k_stride_block, p.k_stride_slot);
 #pragma unroll
       for (int u = 0; u < S::UNROLL; ++u) {
         float acc[GROUP_TILE];
@@ -240,18 +245,7 @@ pk_decode_kernel(const PkAttnParams p) {
     const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.v_stride_head;
     for (int base = 0; base < n; base += S::ROWS_PER_STEP * S::UNROLL) {
       uint4 raw[S::UNROLL][VPT];
-#pragma unroll
-      for (int u = 0; u < S::UNROLL; ++u) {
-        const int i = base + u * S::ROWS_PER_STEP + row_in_step;
-        const T* row = nullptr;
-        if (i < n) row = vbase + row_offset(i, p.v_stride_block, p.v_stride_slot);
-#pragma unroll
-        for (int j = 0; j < VPT; ++j) {
-          const int v = li + j * TG;
-          raw[u][j] = (row != nullptr && v < S::NVEC) ? pk_load16(row + v * VEC)
-                                                      : make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
+      load_rows(raw, vbase, base, p.v_stride_block, p.v_stride_slot);
 #pragma unroll
       for (int u = 0; u < S::UNROLL; ++u) {
         const int i = base + u * S::ROWS_PER_STEP + row_in_step;
