@@ -87,6 +87,17 @@ __device__ __forceinline__ bool pk_varlen_locate(const PkAttnParams& p, PkVarlen
 }
 
 // Whether key position `k` is visible from query position `q`.
+// The v-th 16-byte piece of query row r of the tile (row = token * hc + head), zeros for rows
+// past the tile's tokens or its heads.
+template <typename T, int VEC>
+__device__ __forceinline__ uint4 pk_varlen_q_piece(const PkAttnParams& p, const PkVarlenTile& t,
+                                                   int r, int v) {
+  const int tok = r / t.hc, h = r % t.hc;
+  if (tok >= t.ntok || h >= t.nh) return make_uint4(0u, 0u, 0u, 0u);
+  return pk_load16(static_cast<const T*>(p.q) + (t.tok0 + tok) * p.q_stride_token +
+                   (t.head0 + h) * p.q_stride_head + v * VEC);
+}
+
 __device__ __forceinline__ bool pk_visible(int64_t k, int64_t q, int64_t window) {
   return k <= q && (window <= 0 || k > q - window);
 }
@@ -123,11 +134,7 @@ pk_varlen_mma_kernel(const PkAttnParams p) {
   // Q tile -> shared memory (rows past the tile or the group are zeros).
   for (int idx = threadIdx.x; idx < PK_VARLEN_MMA_ROWS * NVEC; idx += PK_VARLEN_THREADS) {
     const int r = idx / NVEC, v = idx % NVEC;
-    const int tok = r / t.hc, h = r % t.hc;
-    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-    if (tok < t.ntok && h < t.nh)
-      raw = pk_load16(static_cast<const T*>(p.q) + (t.tok0 + tok) * p.q_stride_token +
-                      (t.head0 + h) * p.q_stride_head + v * VEC);
+    const uint4 raw = pk_varlen_q_piece<T, VEC>(p, t, r, v);
     *reinterpret_cast<uint4*>(qs + r * DP + v * VEC) = raw;
   }
 
@@ -294,11 +301,7 @@ pk_varlen_simt_kernel(const PkAttnParams p) {
 
   for (int idx = threadIdx.x; idx < PK_VARLEN_SIMT_ROWS * NVEC; idx += PK_VARLEN_THREADS) {
     const int r = idx / NVEC, v = idx % NVEC;
-    const int tok = r / t.hc, h = r % t.hc;
-    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-    if (tok < t.ntok && h < t.nh)
-      raw = pk_load16(static_cast<const T*>(p.q) + (t.tok0 + tok) * p.q_stride_token +
-                      (t.head0 + h) * p.q_stride_head + v * VEC);
+    const uint4 raw = pk_varlen_q_piece<T, VEC>(p, t, r, v);
     float f[VEC];
     pk_unpack16<T>(raw, f);
 #pragma unroll
