@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 FULL = {"dtype": torch.bfloat16, "quick": False, "repeat": 10,
         "flex": [(32, 1024), (32, 4096), (32, 16384)],
-        "conformance_timeout": 200, "build_timeout": 200}
+        "conformance_timeout": 150, "build_timeout": 150}
 SMOKE = {"dtype": torch.float32, "quick": True, "repeat": 3, "flex": [],
          "conformance_timeout": 300, "build_timeout": 0}
 
