@@ -24,3 +24,18 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert (tmp_path / "kernels.json").exists()
     last = (tmp_path / "report.md").read_text().rstrip().splitlines()[-3:]
     assert last[-1] == "```" and all(len(line) <= 80 for line in last)
+
+
+def test_ptxas_summary_reads_both_log_formats():
+    """The report counts kernels, registers and spills from ptxas' own -v lines and from the table
+    that `python -m cuda.paged_cuda.build` prints (the format of the first H200 build log)."""
+    from bench.gpu_check.report import ptxas_summary
+
+    ptxas = ("ptxas info    : Used 40 registers, 0 bytes spill stores, 0 bytes spill loads\n"
+             "ptxas info    : Used 96 registers, 8 bytes spill stores, 4 bytes spill loads\n")
+    table = ("arch    regs stack spill st/ld  kernel\n"
+             "sm_90     26     0     0/0      void pk_copy_blocks_kernel<uint2>(PkCopyParams)\n"
+             "sm_80    255    16    12/4      void pk_decode_kernel<__half, 112, 8>(P)\n")
+    assert ptxas_summary(ptxas) == {"kernels": 2, "max_registers": 96, "kernels_spilling": 1}
+    assert ptxas_summary(table) == {"kernels": 2, "max_registers": 255, "kernels_spilling": 1}
+    assert ptxas_summary("") == {"kernels": 0, "max_registers": 0, "kernels_spilling": 0}

@@ -23,12 +23,17 @@ def count_outcomes(log: str) -> dict[str, dict[str, int]]:
 
 
 def ptxas_summary(log: str) -> dict:
-    """Kernels compiled, the most registers used, and every kernel that spilled."""
+    """Kernels compiled, the most registers used, and every kernel that spilled, from either
+    ptxas' own `-v` lines or the table `python -m cuda.paged_cuda.build` prints
+    (`arch regs stack spill-stores/spill-loads kernel`)."""
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    spilled = sum(1 for s, l in spills if int(s) or int(l))
+    spills = [(int(s), int(l)) for s, l in
+              re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+    for regs, stores, loads in re.findall(r"^sm_\d+\s+(\d+)\s+\d+\s+(\d+)/(\d+)\s", log, re.M):
+        registers.append(int(regs))
+        spills.append((int(stores), int(loads)))
     return {"kernels": len(registers), "max_registers": max(registers, default=0),
-            "kernels_spilling": spilled}
+            "kernels_spilling": sum(1 for s, l in spills if s or l)}
 
 
 def healthy(result: dict) -> bool:
