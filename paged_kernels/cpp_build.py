@@ -1,0 +1,64 @@
+"""Compiling a one-file C++ torch extension at first use (shared by the `cpu` attention backend,
+`cpu_impl/build.py`, and the engine's quantized matmul, `engine/native_build.py`).
+
+A build goes to torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
+`~/.cache/torch_extensions`) under a name keyed on the source's hash and the compile flags, so a
+machine with other CPU features, or an edited source, gets its own build. Callers choose SIMD
+flags from `cpu_flags()` themselves and never use `-march=native`, so a cached build also runs
+on every CPU that has the features its name was keyed on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+_modules: dict[tuple[str, tuple[str, ...]], ModuleType] = {}
+
+
+class BuildFailed(RuntimeError):
+    """The compiler or OpenMP is missing, or the compile failed; the message has its output."""
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The feature flags of this machine's CPU (empty when /proc/cpuinfo is unreadable)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def extension_name(prefix: str, source: Path, cflags: list[str]) -> str:
+    """`prefix` plus a digest of the source text and the flags (the build cache's key)."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+    return f"{prefix}_{digest}"
+
+
+def load(source: Path, prefix: str, cflags: list[str], what: str) -> ModuleType:
+    """The extension compiled from the single file `source` with `cflags` (plus OpenMP at link
+    time), built on the first call of the process for that (source, flags) pair and cached on disk
+    after. `what` names the build in the one-line notice printed before a compile. Raises
+    BuildFailed with the compiler's output when the build fails."""
+    key = (str(source), tuple(cflags))
+    if key in _modules:
+        return _modules[key]
+    from torch.utils import cpp_extension
+
+    name = extension_name(prefix, source, cflags)
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    if not any(build_dir.glob(f"{name}*.so")):
+        print(f"{what}: compiling {source.name} ({' '.join(cflags)}), once per machine (~30 s)",
+              file=sys.stderr, flush=True)
+    try:
+        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
+                                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # the compiler's output is in the message
+        raise BuildFailed(f"building {source} failed: {exc}") from exc
+    _modules[key] = module
+    return module
