@@ -49,6 +49,8 @@ def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
             wanted |= {f"pk_decode_kernel<{ctype}, {d}, {g}>" for g in ops.GROUP_TILES}
             kind = "simt" if ctype == "float" else "mma"
             wanted.add(f"pk_varlen_{kind}_kernel<{ctype}, {d}>")
+            if ctype != "float":
+                wanted.add(f"pk_decode_mma_kernel<{ctype}, {d}>")
         wanted.add(f"pk_decode_reduce_kernel<{ctype}>")
     for arch in ("sm_80", "sm_90"):
         missing = sorted(n for n in wanted if (arch, n) not in compiled)
@@ -71,15 +73,18 @@ def _problem(dtype, heads: tuple[int, int], q_lens, head_size: int = 128, block_
     return pk.abi.check_attention_args(q, cache, cache, tables, seq_lens, cu_seqlens_q=cu)
 
 
-PLANNED = [(dtype, heads, q_lens) for dtype in ("float32", "float16", "bfloat16")
-           for heads in ((4, 4), (8, 4), (6, 2), (8, 1), (64, 2)) for q_lens in (None, [5, 1, 9])]
+PLANNED = [(dtype, heads, q_lens, decode) for dtype in ("float32", "float16", "bfloat16")
+           for heads in ((4, 4), (8, 4), (6, 2), (8, 1), (64, 2)) for q_lens in (None, [5, 1, 9])
+           for decode in ops.DECODE_KERNELS]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("dtype,heads,q_lens", PLANNED)
-def test_every_launch_a_plan_makes_is_compiled(reports, dtype, heads, q_lens) -> None:
+@pytest.mark.parametrize("dtype,heads,q_lens,decode", PLANNED)
+def test_every_launch_a_plan_makes_is_compiled(reports, monkeypatch, dtype, heads, q_lens,
+                                               decode) -> None:
     import torch
 
+    monkeypatch.setenv(ops.DECODE_ENV, decode)
     compiled = {r.name.split("(")[0].replace("void ", "") for r in reports}
     problem = _problem(getattr(torch, dtype), heads, q_lens)
     plan = ops.plan_attention(problem, num_sms=132)
@@ -90,12 +95,15 @@ def test_every_launch_a_plan_makes_is_compiled(reports, dtype, heads, q_lens) ->
         assert threads == ops.THREADS and min(grid) >= 1 and smem >= 0
 
 
-def test_jit_launches_exactly_the_planned_kernels() -> None:
+@pytest.mark.parametrize("decode,kernel", [("mma", "pk_decode_mma_kernel<__nv_bfloat16, 128>"),
+                                           ("simt", "pk_decode_kernel<__nv_bfloat16, 128, 4>")])
+def test_jit_launches_exactly_the_planned_kernels(monkeypatch, decode, kernel) -> None:
     """jit.JitModule's dispatch, without CuPy or a GPU: the launches it would make."""
     import torch
 
     from cuda.paged_cuda import jit
 
+    monkeypatch.setenv(ops.DECODE_ENV, decode)
     module = jit.JitModule.__new__(jit.JitModule)
     calls = []
     module._run = lambda header, name, grid, threads, smem, stream, params: calls.append(
@@ -105,8 +113,7 @@ def test_jit_launches_exactly_the_planned_kernels() -> None:
     values = ops._attn_values(problem, plan, problem.query, problem.key_cache,
                               problem.value_cache, problem.out, None)
     module.paged_attention(ops.pack("attn", values), 0)
-    expected = [("pk_decode.cuh", "pk_decode_kernel<__nv_bfloat16, 128, 4>", plan.grid,
-                 plan.smem_bytes)]
+    expected = [("pk_decode.cuh", kernel, plan.grid, plan.smem_bytes)]
     if plan.num_splits > 1:
         expected.append(("pk_decode.cuh", "pk_decode_reduce_kernel<__nv_bfloat16>",
                          (32, 3, 1), 0))
@@ -136,6 +143,35 @@ def test_params_layout_is_read_from_the_header() -> None:
     values = {n: i for i, n in enumerate(names)}
     values["scale"], values["soft_cap"] = 0.125, 2.5
     assert ops.unpack("attn", ops.pack("attn", values)) == values
+
+
+def test_decode_kernel_choice() -> None:
+    """mma by default for 16-bit types, SIMT for float32 whatever is asked, and a clear error
+    for an unknown choice."""
+    import torch
+
+    assert ops._decode_kernel_choice(torch.bfloat16) == "mma"
+    assert ops._decode_kernel_choice(torch.float32) == "simt"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ops.DECODE_ENV, "simt")
+        assert ops._decode_kernel_choice(torch.float16) == "simt"
+        mp.setenv(ops.DECODE_ENV, "fast")
+        with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE: expected one of mma, "
+                                             "simt, got 'fast'"):
+            ops._decode_kernel_choice(torch.float16)
+
+
+def test_decode_mma_shared_memory_fits_every_head_size(monkeypatch) -> None:
+    """The mma decode plan stays under the 163 KiB a block may have on sm_80 (227 KiB on sm_90)
+    for every compiled head size, at the largest partition and the smallest block size."""
+    import torch
+
+    monkeypatch.setenv(ops.PARTITION_ENV, str(ops.MAX_PARTITION))
+    for d in ops.HEAD_SIZES:
+        problem = _problem(torch.bfloat16, (32, 8), None, head_size=d, block_size=1)
+        plan = ops._plan_decode_mma(problem, num_sms=1)
+        assert plan.kernel == ops.KERNEL_DECODE_MMA and plan.grid == (8, 3, plan.num_splits)
+        assert plan.smem_bytes <= 163 * 1024, (d, plan.smem_bytes)
 
 
 def test_cuda_backend_is_absent_without_a_gpu_and_imports_do_not_break() -> None:

@@ -1,4 +1,5 @@
-// pk_decode.cuh: paged decode attention (one query token per sequence) with split-K partitions.
+// pk_decode.cuh: paged decode attention (one query token per sequence) with split-K partitions:
+// the SIMT kernel (every dtype; the float32 path) and the reduce kernel of both decode kernels.
 //
 // pk_decode_kernel<T, HEAD_SIZE, GROUP_TILE>
 //   Grid: (num_kv_heads * num_head_chunks, num_seqs, num_splits); 128 threads (4 warps).
@@ -27,6 +28,9 @@
 #pragma once
 #include "pk_common.cuh"
 #include "pk_ops.h"
+// The tensor-core decode kernel (f16/bf16); it shares pk_decode_reduce_kernel below, and this
+// header is the one the run-time (NVRTC) path compiles for every pk_decode* kernel.
+#include "pk_decode_mma.cuh"
 
 // 1: phase 1 reduces the group's dot products with pk_transpose_sum (G - 1 + log2(TG / G)
 // shuffles per row) instead of one butterfly per head (G * log2(TG)). Correct under the host

@@ -22,13 +22,18 @@
 
 #define PK_STREAM(s) static_cast<cudaStream_t>(s)
 
-template <typename T, int D, int GT>
-const char* pk_launch_decode(const PkAttnParams& p, void* stream) {
-  auto kernel = &pk_decode_kernel<T, D, GT>;
+template <typename Kernel>
+const char* pk_launch_one(Kernel kernel, const PkAttnParams& p, void* stream) {
   if (p.smem_bytes > 48 * 1024) PK_SET_MAX_DYNAMIC_SMEM(kernel, p.smem_bytes);
   PK_LAUNCH(kernel, dim3(p.grid_x, p.grid_y, p.grid_z), dim3(p.threads), p.smem_bytes,
             PK_STREAM(stream), p);
-  if (const char* err = PK_LAST_LAUNCH_ERROR()) return err;
+  return PK_LAST_LAUNCH_ERROR();
+}
+
+// A decode kernel, then (with split-K partitions) the reduce kernel.
+template <typename T, typename Kernel>
+const char* pk_launch_decode_and_reduce(Kernel kernel, const PkAttnParams& p, void* stream) {
+  if (const char* err = pk_launch_one(kernel, p, stream)) return err;
   if (p.num_splits > 1) {
     auto reduce = &pk_decode_reduce_kernel<T>;
     PK_LAUNCH(reduce, dim3(p.reduce_grid_x, p.reduce_grid_y, 1), dim3(p.reduce_threads), 0,
@@ -36,6 +41,21 @@ const char* pk_launch_decode(const PkAttnParams& p, void* stream) {
     return PK_LAST_LAUNCH_ERROR();
   }
   return nullptr;
+}
+
+template <typename T, int D, int GT>
+const char* pk_launch_decode(const PkAttnParams& p, void* stream) {
+  return pk_launch_decode_and_reduce<T>(&pk_decode_kernel<T, D, GT>, p, stream);
+}
+
+// The tensor-core decode kernel exists for the 16-bit types only.
+template <typename T, int D>
+const char* pk_launch_decode_mma(const PkAttnParams& p, void* stream) {
+  if constexpr (sizeof(T) == 2) {
+    return pk_launch_decode_and_reduce<T>(&pk_decode_mma_kernel<T, D>, p, stream);
+  } else {
+    return "decode: the mma kernel takes float16 or bfloat16 only";
+  }
 }
 
 template <typename T, int D>
@@ -49,14 +69,6 @@ const char* pk_launch_decode_group(const PkAttnParams& p, void* stream) {
   }
 }
 
-template <typename Kernel>
-const char* pk_launch_one(Kernel kernel, const PkAttnParams& p, void* stream) {
-  if (p.smem_bytes > 48 * 1024) PK_SET_MAX_DYNAMIC_SMEM(kernel, p.smem_bytes);
-  PK_LAUNCH(kernel, dim3(p.grid_x, p.grid_y, p.grid_z), dim3(p.threads), p.smem_bytes,
-            PK_STREAM(stream), p);
-  return PK_LAST_LAUNCH_ERROR();
-}
-
 // The varlen kernels of element type T: the mma kernel for 16-bit types, SIMT for float32.
 template <typename T, int D>
 const char* pk_launch_varlen(const PkAttnParams& p, void* stream);
@@ -64,6 +76,7 @@ const char* pk_launch_varlen(const PkAttnParams& p, void* stream);
 template <typename T, int D>
 const char* pk_launch_attention_d(const PkAttnParams& p, void* stream) {
   if (p.kernel == PK_KERNEL_DECODE) return pk_launch_decode_group<T, D>(p, stream);
+  if (p.kernel == PK_KERNEL_DECODE_MMA) return pk_launch_decode_mma<T, D>(p, stream);
   return pk_launch_varlen<T, D>(p, stream);
 }
 

@@ -1,5 +1,5 @@
-// pk_mma.cuh: the tensor-core product the varlen kernel uses, one warp-collective function per
-// operand type. On the GPU they are inline PTX `mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}
+// pk_mma.cuh: the tensor-core product the varlen and decode kernels use, one warp-collective
+// function per operand type, and `ldmatrix`, which loads its operands from shared memory. On the GPU they are inline PTX `mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}
 // .{f16,bf16}.f32` (sm_80+); under PK_HOST_EMULATION this header defines nothing and the emulator
 // provides functions with the same names, signatures and fragment layout.
 //
@@ -15,6 +15,13 @@
 // So for B = K^T with K stored row-major [n][k], b[0] is the 32-bit word K[g][2t..2t+1], and a
 // row-major A gives a[i] as one 32-bit word; a D fragment of two adjacent n-tiles is exactly the
 // A fragment of the next product (P*V) once converted to 16-bit pairs.
+//
+// pk_ldmatrix_x4(r, row) / pk_ldmatrix_x4_trans(r, row) (PTX `ldmatrix.sync.aligned.m8n8.x4
+// [.trans].shared.b16`, sm_75+): loads four 8x8 matrices of 16-bit elements from shared memory.
+// Lane l gives the address of row (l % 8) of matrix (l / 8) (16 contiguous, 16-byte aligned
+// bytes). Then lane l (g = l / 4, t = l % 4) holds in r[i], low half first:
+//   plain:  M_i[g][2t], M_i[g][2t+1]      (the layout of an a[] or b[] register above)
+//   .trans: M_i[2t][g], M_i[2t+1][g]      (so a row-major V tile gives P*V's b[] registers)
 #pragma once
 #include "pk_platform.cuh"
 
@@ -40,4 +47,31 @@ __device__ __forceinline__ void pk_mma_m16n8k16_bf16(float d[4], const uint32_t 
         "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
+__device__ __forceinline__ void pk_ldmatrix_x4(uint32_t r[4], const void* row) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+
+__device__ __forceinline__ void pk_ldmatrix_x4_trans(uint32_t r[4], const void* row) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+
 #endif  // !PK_HOST_EMULATION
+
+// The m16n8k16 product for operand type T (d and c may be the same array).
+template <typename T> struct PkMma;
+template <> struct PkMma<__half> {
+  static __device__ __forceinline__ void run(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                             const float c[4]) {
+    pk_mma_m16n8k16_f16(d, a, b, c);
+  }
+};
+template <> struct PkMma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                             const float c[4]) {
+    pk_mma_m16n8k16_bf16(d, a, b, c);
+  }
+};

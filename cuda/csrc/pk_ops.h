@@ -70,6 +70,7 @@ enum PkAttnKernel : int64_t {
   PK_KERNEL_DECODE = 0,       // pk_decode_kernel (+ pk_decode_reduce_kernel when num_splits > 1)
   PK_KERNEL_VARLEN_MMA = 1,   // pk_varlen_mma_kernel (f16/bf16 tensor cores)
   PK_KERNEL_VARLEN_SIMT = 2,  // pk_varlen_simt_kernel (any dtype, float32 accumulate)
+  PK_KERNEL_DECODE_MMA = 3,   // pk_decode_mma_kernel (f16/bf16) (+ the decode reduce kernel)
 };
 
 #if !defined(__CUDACC_RTC__)

@@ -35,21 +35,6 @@ constexpr int PK_VARLEN_MMA_ROWS = 64;   // rows per block of the mma kernel
 constexpr int PK_VARLEN_SIMT_ROWS = 16;  // rows per block of the SIMT kernel
 constexpr int PK_VARLEN_SIMT_RPW = PK_VARLEN_SIMT_ROWS / 4;  // rows per warp
 
-// The m16n8k16 product for operand type T (d and c may be the same array).
-template <typename T> struct PkMma;
-template <> struct PkMma<__half> {
-  static __device__ __forceinline__ void run(float d[4], const uint32_t a[4], const uint32_t b[2],
-                                             const float c[4]) {
-    pk_mma_m16n8k16_f16(d, a, b, c);
-  }
-};
-template <> struct PkMma<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float d[4], const uint32_t a[4], const uint32_t b[2],
-                                             const float c[4]) {
-    pk_mma_m16n8k16_bf16(d, a, b, c);
-  }
-};
-
 // Where one block of a varlen kernel works (see the file comment).
 struct PkVarlenTile {
   int seq, kvh, head0, nh, hc, ntok;

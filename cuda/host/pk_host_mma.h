@@ -12,6 +12,11 @@
 // from the A rows and B columns it gathers. The 16 products are exact (they are in float64 here;
 // products of 16-bit floats are exact in float32 too); they are summed in float64 and added to
 // C, with one rounding to float32: no worse than the tensor core, which rounds more often.
+//
+// `pk_ldmatrix_x4(r, row)` / `pk_ldmatrix_x4_trans(r, row)` are warp collectives too: each lane
+// reads the 16 bytes at its own row address (which must be 16-byte aligned) and deposits them;
+// then lane l takes element pairs of the four 8x8 matrices (matrix i = the rows of lanes
+// 8i..8i+7) in the layout pk_mma.cuh states: M_i[g][2t..2t+1] plain, M_i[2t..2t+1][g] .trans.
 #pragma once
 
 #include <cstdint>
@@ -67,7 +72,36 @@ inline void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], c
   }
 }
 
+// The four 8x8 matrices of an ldmatrix.x4: every lane's row, then this lane's registers.
+inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
+  if (warp_existing_lanes() != 0xffffffffu) fail("pk_ldmatrix_x4 needs all 32 lanes of a warp");
+  if (reinterpret_cast<uintptr_t>(row) % 16 != 0)
+    fail("pk_ldmatrix_x4: a row address is not 16-byte aligned");
+  uint16_t mine[8];
+  std::memcpy(mine, row, sizeof mine);
+  const unsigned char* slots = warp_exchange(mine, sizeof mine, 0xffffffffu, kLdmatrix);
+  // Element (row k, column c) of matrix i: lane 8i + k deposited row k.
+  auto elem = [slots](int i, int k, int c) {
+    uint16_t e;
+    std::memcpy(&e, slots + static_cast<size_t>(8 * i + k) * kExchangeBytes + 2 * c, 2);
+    return static_cast<uint32_t>(e);
+  };
+  const int lane = static_cast<int>(tls_thread->lane);
+  const int g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = trans ? elem(i, 2 * t, g) : elem(i, g, 2 * t);
+    const uint32_t hi = trans ? elem(i, 2 * t + 1, g) : elem(i, g, 2 * t + 1);
+    r[i] = lo | (hi << 16);
+  }
+}
+
 }  // namespace pk_host
+
+inline void pk_ldmatrix_x4(uint32_t r[4], const void* row) { pk_host::ldmatrix_x4(r, row, false); }
+
+inline void pk_ldmatrix_x4_trans(uint32_t r[4], const void* row) {
+  pk_host::ldmatrix_x4(r, row, true);
+}
 
 inline void pk_mma_m16n8k16_f16(float d[4], const uint32_t a[4], const uint32_t b[2],
                                 const float c[4]) {

@@ -172,6 +172,8 @@ void map_stack(Fiber& f) {
 // Prepares `f` to start the kernel body from the beginning when it is next switched to.
 void reset_context(Fiber& f) {
   if (!f.stack_base) map_stack(f);
+  f.ts.async_uncommitted.clear();  // a failed block may have left copies in flight
+  f.ts.async_groups.clear();
   char* lo = f.stack_base + getpagesize();
 #if defined(PK_HOST_USE_UCONTEXT)
   getcontext(&f.uc);
@@ -229,6 +231,8 @@ void fiber_entry(void*) {
   Worker& w = tls_worker;
   w.body.call(w.body.ctx);
   Fiber& f = *w.current;
+  if (!f.ts.async_uncommitted.empty() || !f.ts.async_groups.empty())
+    fail("returned with cp.async copies it never waited for (pk_cp_async_wait<0>)");
   f.state = State::kDone;
   ++w.n_done;
   if (w.block_arrived > 0 && w.block_arrived + w.n_done == w.n_threads) release_block_barrier(w);
@@ -473,7 +477,7 @@ const unsigned char* warp_exchange(const void* mine, size_t n, unsigned mask, in
       if (wp.kind[b][l] != wp.kind[b][0]) {
         char buf[160];
         std::snprintf(buf, sizeof buf, "divergent warp collectives in warp %u: lane 0 in kind %d, "
-                      "lane %d in kind %d (1 shuffle, 2 __syncwarp, 3 vote, 4 mma)", ts.warp,
+                      "lane %d in kind %d (1 shuffle, 2 __syncwarp, 3 vote, 4 mma, 5 ldmatrix)", ts.warp,
                       wp.kind[b][0], l, wp.kind[b][l]);
         fail(buf);
       }

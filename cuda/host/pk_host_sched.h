@@ -26,9 +26,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "pk_host_types.h"
 
@@ -66,6 +68,12 @@ constexpr size_t kDefaultDynamicSmem = 48 * 1024;
 // Bytes one lane may contribute to one warp collective (an mma fragment set fits).
 constexpr size_t kExchangeBytes = 64;
 
+// One cp.async of 16 bytes that has been issued and has not landed (pk_host_async.h).
+struct AsyncCopy {
+  void* dst;
+  const void* src;  // nullptr: zero-fill
+};
+
 // What one emulated CUDA thread knows about itself.
 struct ThreadState {
   uint3 idx;
@@ -73,10 +81,12 @@ struct ThreadState {
   unsigned warp;
   unsigned lane;
   unsigned collective_seq;  // warp collectives entered so far (selects the exchange buffer)
+  std::vector<AsyncCopy> async_uncommitted;           // cp.async since the last commit
+  std::deque<std::vector<AsyncCopy>> async_groups;    // committed groups, oldest first
 };
 
 // Kinds of warp collectives; all lanes of one collective must agree on the kind.
-enum CollectiveKind : int { kShuffle = 1, kSyncWarp = 2, kVote = 3, kMma = 4 };
+enum CollectiveKind : int { kShuffle = 1, kSyncWarp = 2, kVote = 3, kMma = 4, kLdmatrix = 5 };
 
 inline thread_local ThreadState* tls_thread = nullptr;
 inline thread_local uint3 tls_block_idx = {0, 0, 0};

@@ -43,7 +43,7 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: C++ spelling of each dtype (template arguments of the JIT path).
 CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 
-KERNEL_DECODE, KERNEL_VARLEN_MMA, KERNEL_VARLEN_SIMT = 0, 1, 2
+KERNEL_DECODE, KERNEL_VARLEN_MMA, KERNEL_VARLEN_SIMT, KERNEL_DECODE_MMA = 0, 1, 2, 3
 THREADS = 128  # every attention kernel runs 4 warps (PK_DECODE_THREADS, PK_VARLEN_THREADS)
 DECODE_WARPS = 4
 VARLEN_BN = 32  # PK_VARLEN_BN
@@ -54,6 +54,24 @@ MIN_PARTITION, MAX_PARTITION, DEFAULT_PARTITION = 64, 2048, 1024  # 1024: best m
 MAX_SPLITS = 64
 #: Forces the decode partition size (a multiple of 16 >= 16), for tests of the split-K path.
 PARTITION_ENV = "PAGED_KERNELS_CUDA_PARTITION"
+#: The decode kernel for float16/bfloat16: "mma" (pk_decode_mma_kernel, the default) or "simt"
+#: (pk_decode_kernel, kept selectable until a GPU run has timed both). float32 always runs simt.
+DECODE_ENV = "PAGED_KERNELS_CUDA_DECODE"
+DECODE_KERNELS = ("mma", "simt")
+MMA_DECODE_ROWS, MMA_DECODE_BN = 16, 64  # PK_DECODE_MMA_ROWS, PK_DECODE_MMA_BN
+
+
+def mma_decode_stages(head_size: int) -> int:
+    """Depth of the mma decode kernel's K/V ring (pk_decode_mma_stages in pk_decode_mma.cuh)."""
+    return 3 if head_size <= 128 else 2
+
+
+def _decode_kernel_choice(dtype: torch.dtype) -> str:
+    choice = os.environ.get(DECODE_ENV) or "mma"
+    if choice not in DECODE_KERNELS:
+        raise ValueError(f"{DECODE_ENV}: expected one of {', '.join(DECODE_KERNELS)}, "
+                         f"got {choice!r}")
+    return "simt" if dtype == torch.float32 else choice
 
 
 def support(device_types: Sequence[str], head_sizes: Sequence[int] = HEAD_SIZES) -> Support:
@@ -170,7 +188,7 @@ def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     shapes it depends on: planning runs once per step shape, not once per layer)."""
     key = (p.is_decode, p.num_queries_per_kv, p.query.dtype, p.head_size, p.num_seqs,
            p.num_kv_heads, p.num_heads, p.num_tokens, p.block_tables.shape[1], p.block_size,
-           p.sliding_window, num_sms, os.environ.get(PARTITION_ENV))
+           p.sliding_window, num_sms, os.environ.get(PARTITION_ENV), os.environ.get(DECODE_ENV))
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) > 4096:
@@ -182,8 +200,22 @@ def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
 _plans: dict[tuple, AttentionPlan] = {}
 
 
+def _plan_decode_mma(p: AttentionProblem, num_sms: int) -> AttentionPlan:
+    rows = min(p.num_queries_per_kv, MMA_DECODE_ROWS)
+    chunks = math.ceil(p.num_queries_per_kv / MMA_DECODE_ROWS)
+    size, splits = _decode_partition(p, p.num_seqs * p.num_kv_heads * chunks, num_sms)
+    pitch = p.head_size + 8
+    tiles = MMA_DECODE_ROWS * pitch + 2 * mma_decode_stages(p.head_size) * MMA_DECODE_BN * pitch
+    smem = p.query.element_size() * tiles + 4 * (size // p.block_size + 2)
+    return AttentionPlan(KERNEL_DECODE_MMA, MMA_DECODE_ROWS, rows, chunks, 1, splits, size,
+                         (p.num_kv_heads * chunks, p.num_seqs, splits), smem,
+                         (p.num_heads, p.num_seqs))
+
+
 def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     group = p.num_queries_per_kv
+    if p.is_decode and _decode_kernel_choice(p.query.dtype) == "mma":
+        return _plan_decode_mma(p, num_sms)
     if p.is_decode:
         tile = _pow2_at_least(min(group, GROUP_TILES[-1]), GROUP_TILES)
         chunks = math.ceil(group / tile)
@@ -217,9 +249,10 @@ def attention_launches(v: dict[str, Any]) -> list[tuple[str, tuple[int, int, int
     to; the JIT path launches exactly these."""
     t, d = _CTYPE_OF_CODE[v["dtype"]], v["head_size"]
     grid = (v["grid_x"], v["grid_y"], v["grid_z"])
-    if v["kernel"] == KERNEL_DECODE:
-        launches = [(f"pk_decode_kernel<{t}, {d}, {v['group_tile']}>", grid, v["threads"],
-                     v["smem_bytes"])]
+    if v["kernel"] in (KERNEL_DECODE, KERNEL_DECODE_MMA):
+        name = (f"pk_decode_kernel<{t}, {d}, {v['group_tile']}>" if v["kernel"] == KERNEL_DECODE
+                else f"pk_decode_mma_kernel<{t}, {d}>")
+        launches = [(name, grid, v["threads"], v["smem_bytes"])]
         if v["num_splits"] > 1:
             launches.append((f"pk_decode_reduce_kernel<{t}>",
                              (v["reduce_grid_x"], v["reduce_grid_y"], 1), v["reduce_threads"], 0))

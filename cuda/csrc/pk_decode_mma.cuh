@@ -1,0 +1,325 @@
+// pk_decode_mma.cuh: paged decode attention on tensor cores, fed by a cp.async pipeline (f16/bf16).
+//
+// pk_decode_mma_kernel<T = __half | __nv_bfloat16, HEAD_SIZE>
+//   Grid: (num_kv_heads * num_head_chunks, num_seqs, num_splits); 128 threads (4 warps).
+//   One thread block owns: one sequence, one KV head, up to 16 query heads of its GQA group (the
+//   M = 16 rows of every mma; chunk `blockIdx.x % num_head_chunks`, rows past the group are
+//   zeros), and one partition of `partition_size` keys of the visible context [ctx_start,
+//   seq_len), walked in tiles of BN = 64 keys; warp w owns keys 16w..16w+15 of every tile.
+//   Bytes moved: every K and V row of the partition once (cp.async, 16 bytes per copy, a ring of
+//   STAGES tiles so STAGES - 1 tiles are in flight while one is used), the 16 query rows once;
+//   writes the group's output rows (T) + lse, or float32 partial rows with their max and sum for
+//   pk_decode_reduce_kernel (pk_decode.cuh) when num_splits > 1.
+//   Per tile and warp: S[16 x 16] = Q K^T and O[16 x HEAD_SIZE] += P V with mma.m16n8k16,
+//   operands through ldmatrix (V with .trans); an online softmax in registers in base 2 (each
+//   lane holds rows g and g + 8); at the end the four warps' (m, l, O) are merged through
+//   shared memory.
+//   Invariants: rows of q/k/v/out are 16-byte aligned (ops.py checks); no key at a position
+//   >= seq_len is ever read: rows past the partition are zero-filled by cp.async without a load
+//   (cache slots past seq_len may hold NaN); block-table entries past ceil(seq_len / block_size)
+//   are never read; cache offsets are int64.
+//   Dynamic shared memory (ops.py `_decode_mma_smem` mirrors it): Q [16][DP], K and V rings
+//   [STAGES][BN][DP] (T, DP = HEAD_SIZE + 8: ldmatrix rows fall in distinct banks), then
+//   partition_size / block_size + 2 ints of block ids. The merge reuses the K/V rings.
+#pragma once
+#include "pk_common.cuh"
+#include "pk_cp_async.cuh"
+#include "pk_mma.cuh"
+#include "pk_ops.h"
+
+constexpr int PK_DECODE_MMA_THREADS = 128;
+constexpr int PK_DECODE_MMA_ROWS = 16;  // query heads per block (the mma's M)
+constexpr int PK_DECODE_MMA_BN = 64;    // keys per tile: 16 per warp
+
+// Ring depth: 3 tiles up to head size 128 (about 100 KiB, two blocks per H100/H200 SM), else 2.
+__host__ __device__ constexpr int pk_decode_mma_stages(int head_size) {
+  return head_size <= 128 ? 3 : 2;
+}
+
+// Where one block of the decode kernels works: its heads and its key range.
+struct PkDecodeRange {
+  int kvh, head0, nh, seq, split;
+  int64_t q_pos, part_start, n;  // n: keys in this partition (0: nothing visible)
+};
+
+__device__ __forceinline__ PkDecodeRange pk_decode_range(const PkAttnParams& p, int rows) {
+  PkDecodeRange r;
+  const int chunks = static_cast<int>(p.num_head_chunks), group = static_cast<int>(p.group);
+  const int chunk = blockIdx.x % chunks;
+  r.kvh = blockIdx.x / chunks;
+  r.head0 = r.kvh * group + chunk * rows;
+  r.nh = min(rows, group - chunk * rows);
+  r.seq = blockIdx.y;
+  r.split = blockIdx.z;
+  const int64_t seq_len = __ldg(static_cast<const int32_t*>(p.seq_lens) + r.seq);
+  r.q_pos = seq_len - 1;
+  const int64_t ctx_start =
+      (p.sliding_window > 0 && seq_len > p.sliding_window) ? seq_len - p.sliding_window : 0;
+  r.part_start = ctx_start + static_cast<int64_t>(r.split) * p.partition_size;
+  const int64_t end_raw = r.part_start + p.partition_size;
+  const int64_t end = end_raw < seq_len ? end_raw : seq_len;
+  r.n = end > r.part_start ? end - r.part_start : 0;
+  return r;
+}
+
+// Results of a block whose partition holds no key: an empty split (m = -inf, l = 0) or, without
+// splits, zero rows and lse = -inf.
+template <typename T>
+__device__ void pk_decode_write_empty(const PkAttnParams& p, const PkDecodeRange& r,
+                                      int head_size) {
+  const int num_splits = static_cast<int>(p.num_splits);
+  if (static_cast<int>(threadIdx.x) < r.nh) {
+    const int64_t row = static_cast<int64_t>(r.seq) * p.num_heads + r.head0 + threadIdx.x;
+    if (num_splits > 1) {
+      static_cast<float*>(p.part_m)[row * num_splits + r.split] = -INFINITY;
+      static_cast<float*>(p.part_l)[row * num_splits + r.split] = 0.f;
+    } else if (p.lse != nullptr) {
+      static_cast<float*>(p.lse)[row] = -INFINITY;
+    }
+  }
+  if (num_splits == 1) {
+    T* out = static_cast<T*>(p.out) + r.seq * p.o_stride_token;
+    for (int i = threadIdx.x; i < r.nh * head_size; i += blockDim.x)
+      out[(r.head0 + i / head_size) * p.o_stride_head + i % head_size] = pk_from_float<T>(0.f);
+  }
+}
+
+template <typename T, int HEAD_SIZE>
+__global__ void __launch_bounds__(PK_DECODE_MMA_THREADS, 1)
+pk_decode_mma_kernel(const PkAttnParams p) {
+  constexpr int D = HEAD_SIZE, DP = D + 8, BN = PK_DECODE_MMA_BN, M = PK_DECODE_MMA_ROWS;
+  constexpr int STAGES = pk_decode_mma_stages(D);
+  constexpr int VEC = PkVec<T>::N, NVEC = D / VEC;
+  constexpr int KS = D / 16;  // k-slices of Q K^T
+  constexpr int DT = D / 8;   // n-tiles of O
+  constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+  static_assert(D % 16 == 0, "the mma path needs head_size % 16 == 0");
+  extern __shared__ float4 pk_smem4[];
+  T* qs = reinterpret_cast<T*>(pk_smem4);  // [M][DP]
+  T* ks = qs + M * DP;                     // [STAGES][BN][DP]
+  T* vs = ks + STAGES * BN * DP;           // [STAGES][BN][DP]
+  int* s_blocks = reinterpret_cast<int*>(vs + STAGES * BN * DP);
+
+  const PkDecodeRange r = pk_decode_range(p, M);
+  if (r.n == 0) {
+    pk_decode_write_empty<T>(p, r, D);
+    return;
+  }
+  const int n = static_cast<int>(r.n);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, tq = lane % 4;
+
+  // Q rows (zeros past the group's heads) and the partition's block ids -> shared memory.
+  for (int idx = threadIdx.x; idx < M * NVEC; idx += PK_DECODE_MMA_THREADS) {
+    const int row = idx / NVEC, v = idx % NVEC;
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    if (row < r.nh)
+      raw = pk_load16(static_cast<const T*>(p.q) + r.seq * p.q_stride_token +
+                      (r.head0 + row) * p.q_stride_head + v * VEC);
+    *reinterpret_cast<uint4*>(qs + row * DP + v * VEC) = raw;
+  }
+  const PkBlockMap bmap(static_cast<const int32_t*>(p.block_tables) + r.seq * p.bt_stride,
+                        static_cast<int>(p.block_size));
+  int slot_unused;
+  const int first_idx = bmap.index(static_cast<int>(r.part_start), slot_unused);
+  const int num_idx =
+      bmap.index(static_cast<int>(r.part_start) + n - 1, slot_unused) - first_idx + 1;
+  for (int i = threadIdx.x; i < num_idx; i += PK_DECODE_MMA_THREADS)
+    s_blocks[i] = __ldg(bmap.table + first_idx + i);
+  __syncthreads();
+
+  // Starts the copies of tile `tile` into ring slot `stage`, then commits (an empty group past
+  // the last tile keeps the group count uniform).
+  const T* kbase = static_cast<const T*>(p.k_cache) + r.kvh * p.k_stride_head;
+  const T* vbase = static_cast<const T*>(p.v_cache) + r.kvh * p.v_stride_head;
+  const int num_tiles = (n + BN - 1) / BN;
+  auto issue_tile = [&](int tile, int stage) {
+    if (tile < num_tiles) {
+      static_assert(BN * NVEC % PK_DECODE_MMA_THREADS == 0, "whole passes over the tile");
+#pragma unroll 1
+      for (int it = 0; it < BN * NVEC / PK_DECODE_MMA_THREADS; ++it) {
+        const int idx = it * PK_DECODE_MMA_THREADS + threadIdx.x;
+        const int row = idx / NVEC, v = idx % NVEC;
+        const int i = tile * BN + row;
+        const bool valid = i < n;
+        int64_t koff = 0, voff = 0;
+        if (valid) {
+          int slot;
+          const int b = bmap.index(static_cast<int>(r.part_start) + i, slot) - first_idx;
+          const int64_t block = s_blocks[b];
+          koff = block * p.k_stride_block + static_cast<int64_t>(slot) * p.k_stride_slot;
+          voff = block * p.v_stride_block + static_cast<int64_t>(slot) * p.v_stride_slot;
+        }
+        const int at = (stage * BN + row) * DP + v * VEC;
+        pk_cp_async16(ks + at, kbase + koff + v * VEC, valid);
+        pk_cp_async16(vs + at, vbase + voff + v * VEC, valid);
+      }
+    }
+    pk_cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_tile(s, s);
+
+  // This warp's Q fragments, for every k-slice (A operand of S = Q K^T).
+  uint32_t qa[KS][4];
+  {
+    const int i = lane / 8, rr = lane % 8;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+      pk_ldmatrix_x4(qa[kk], qs + (rr + 8 * (i & 1)) * DP + kk * 16 + 8 * (i >> 1));
+  }
+  const float scale = static_cast<float>(p.scale), soft_cap = static_cast<float>(p.soft_cap);
+  float slope[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = g + 8 * hr;
+    slope[hr] = (p.alibi_slopes != nullptr && row < r.nh)
+                    ? __ldg(static_cast<const float*>(p.alibi_slopes) + r.head0 + row) : 0.f;
+  }
+
+  float o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // m in base-2 units
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    pk_cp_async_wait<STAGES - 2>();  // this thread's copies of `tile` have landed
+    __syncthreads();  // everyone's have; and tile - 1's slot is no longer read by anyone
+    issue_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES);
+    const int stage = tile % STAGES;
+    const T* kt = ks + (stage * BN + warp * 16) * DP;
+    const T* vt = vs + (stage * BN + warp * 16) * DP;
+
+    // S = Q K^T over this warp's 16 keys: two n-tiles of 8 keys.
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    {
+      const int i = lane / 8, rr = lane % 8;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        uint32_t b[4];  // b[0..1]: keys 0-7, b[2..3]: keys 8-15
+        pk_ldmatrix_x4(b, kt + (rr + 8 * (i >> 1)) * DP + kk * 16 + 8 * (i & 1));
+        PkMma<T>::run(s[0], qa[kk], b, s[0]);
+        PkMma<T>::run(s[1], qa[kk], b + 2, s[1]);
+      }
+    }
+
+    // Scores -> base-2 logits with masking; online softmax for rows g and g + 8.
+    const int key0 = tile * BN + warp * 16;
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int hr = c / 2, i = key0 + nt * 8 + 2 * tq + (c % 2);
+        float x = -INFINITY;
+        if (i < n)
+          x = LOG2E * pk_transform_score(s[nt][c] * scale, soft_cap, slope[hr],
+                                         r.part_start + i, r.q_pos);
+        s[nt][c] = x;
+        tile_max[hr] = fmaxf(tile_max[hr], x);
+      }
+    float alpha[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const float m_new = fmaxf(m[hr], pk_group_max<4>(tile_max[hr]));
+      alpha[hr] = m_new == -INFINITY ? 1.f : exp2f(m[hr] - m_new);
+      m[hr] = m_new;
+      l[hr] *= alpha[hr];
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float mm = m[c / 2];
+        const float e = mm == -INFINITY ? 0.f : exp2f(s[nt][c] - mm);
+        s[nt][c] = e;
+        l[c / 2] += e;
+      }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0];
+      o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
+    }
+
+    // O += P V: P's accumulator fragments are the A operand; V's through ldmatrix.trans.
+    uint32_t a[4];
+    a[0] = pk_pack2<T>(s[0][0], s[0][1]);
+    a[1] = pk_pack2<T>(s[0][2], s[0][3]);
+    a[2] = pk_pack2<T>(s[1][0], s[1][1]);
+    a[3] = pk_pack2<T>(s[1][2], s[1][3]);
+    {
+      const int i = lane / 8, rr = lane % 8;
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        uint32_t b[4];  // b[0..1]: n-tile 2dp, b[2..3]: n-tile 2dp + 1
+        pk_ldmatrix_x4_trans(b, vt + (rr + 8 * (i & 1)) * DP + (2 * dp + (i >> 1)) * 8);
+        PkMma<T>::run(o[2 * dp], a, b, o[2 * dp]);
+        PkMma<T>::run(o[2 * dp + 1], a, b + 2, o[2 * dp + 1]);
+      }
+    }
+  }
+  pk_cp_async_wait<0>();  // only empty groups remain; nothing may be in flight at exit
+  __syncthreads();        // every warp is done with the rings: reuse them for the merge
+
+  // ---- merge the four warps' (m, l, O) ----
+  constexpr int RP = D + 4;  // float row pitch of the merge buffer
+  float* red_o = reinterpret_cast<float*>(ks);     // [4][M][RP]
+  float* red_ml = red_o + 4 * M * RP;              // [4][M][2]
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = g + 8 * hr;
+    const float lsum = pk_group_sum<4>(l[hr]);
+    if (tq == 0) {
+      red_ml[(warp * M + row) * 2] = m[hr];
+      red_ml[(warp * M + row) * 2 + 1] = lsum;
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+      *reinterpret_cast<float2*>(red_o + (warp * M + row) * RP + dt * 8 + 2 * tq) =
+          make_float2(o[dt][2 * hr], o[dt][2 * hr + 1]);
+  }
+  __syncthreads();
+
+  const int num_splits = static_cast<int>(p.num_splits);
+  for (int idx = threadIdx.x; idx < r.nh * NVEC; idx += PK_DECODE_MMA_THREADS) {
+    const int row = idx / NVEC, v = idx % NVEC;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) m_all = fmaxf(m_all, red_ml[(w * M + row) * 2]);
+    float weight[4], l_all = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float mw = red_ml[(w * M + row) * 2];
+      weight[w] = mw == -INFINITY ? 0.f : exp2f(mw - m_all);
+      l_all += weight[w] * red_ml[(w * M + row) * 2 + 1];
+    }
+    const float inv = l_all > 0.f ? 1.f / l_all : 0.f;
+    float out[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      float acc = 0.f;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) acc += weight[w] * red_o[(w * M + row) * RP + v * VEC + e];
+      out[e] = acc * inv;
+    }
+    const int64_t orow = static_cast<int64_t>(r.seq) * p.num_heads + r.head0 + row;
+    const float m_nat = m_all * LN2;  // the reduce kernel and lse use natural units
+    if (num_splits == 1) {
+      pk_store16<T>(static_cast<T*>(p.out) + r.seq * p.o_stride_token +
+                        (r.head0 + row) * p.o_stride_head + v * VEC, out);
+      if (v == 0 && p.lse != nullptr)
+        static_cast<float*>(p.lse)[orow] = l_all > 0.f ? m_nat + logf(l_all) : -INFINITY;
+    } else {
+      float* part = static_cast<float*>(p.part_out) +
+                    (orow * num_splits + r.split) * D + v * VEC;
+#pragma unroll
+      for (int e = 0; e < VEC; e += 4)
+        *reinterpret_cast<float4*>(part + e) = make_float4(out[e], out[e + 1], out[e + 2],
+                                                           out[e + 3]);
+      if (v == 0) {
+        static_cast<float*>(p.part_m)[orow * num_splits + r.split] = m_nat;
+        static_cast<float*>(p.part_l)[orow * num_splits + r.split] = l_all;
+      }
+    }
+  }
+}
