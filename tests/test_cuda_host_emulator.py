@@ -303,6 +303,81 @@ def test_mma_distinguishes_every_position(st):
         assert torch.equal(d, expected), (r, k, n)
 
 
+# ---- ldmatrix fragment layout ----
+
+def _ldmatrix_expected(src: torch.Tensor, perm: list[int], trans: bool) -> torch.Tensor:
+    """PTX ldmatrix.m8n8.x4: matrix i is the rows lanes 8i..8i+7 point at; lane l (g = l // 4,
+    t = l % 4) gets M_i[g][2t], M_i[g][2t+1] (.trans: M_i[2t][g], M_i[2t+1][g]), low half
+    first."""
+    bits = src.view(torch.int16).to(torch.int64) & 0xffff
+    out = torch.zeros(32, 4, dtype=torch.int64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for i in range(4):
+            rows = [perm[8 * i + k] for k in range(8)]
+            if trans:
+                lo, hi = bits[rows[2 * t], g], bits[rows[2 * t + 1], g]
+            else:
+                lo, hi = bits[rows[g], 2 * t], bits[rows[g], 2 * t + 1]
+            out[lane, i] = lo | (hi << 16)
+    return out
+
+
+@pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
+@pytest.mark.parametrize("pitch", [8, 136])
+def test_ldmatrix_x4_fragment_layout(st, schedule, trans, pitch):
+    """Distinct values everywhere and shuffled row addresses: any swapped lane, row, column or
+    matrix moves a value."""
+    src = (torch.arange(32 * 8, dtype=torch.float32) + 1).to(torch.float16).view(32, 8)
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(pitch + trans))
+    out = dev(torch.zeros(32, 4, dtype=torch.int32))
+    perm_d = dev(perm.to(torch.int32))
+    src_d = dev(src)
+    st.ldmatrix(src_d.data_ptr(), perm_d.data_ptr(), out.data_ptr(), pitch, trans)
+    got = out.cpu().to(torch.int64) & 0xffffffff
+    assert torch.equal(got, _ldmatrix_expected(src, perm.tolist(), trans))
+
+
+@host_only
+def test_ldmatrix_rejects_a_misaligned_row(st):
+    src, perm = torch.zeros(32, 8, dtype=torch.float16), torch.arange(32, dtype=torch.int32)
+    out = torch.zeros(32, 4, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="not 16-byte aligned"):
+        st.ldmatrix(src.data_ptr(), perm.data_ptr(), out.data_ptr(), 4, False)
+
+
+# ---- cp.async ----
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_cp_async_ring_delivers_every_tile(st, schedule, stages):
+    """A ring of `stages` slots with waits and barriers as the decode kernel has them: every tile
+    arrives intact, and invalid pieces are zero-filled without reading their source (NaN
+    there)."""
+    tiles, threads = 7, 64
+    g = torch.Generator().manual_seed(stages)
+    src = torch.randn(tiles, threads, 4, generator=g)
+    valid = (torch.rand(tiles, threads, generator=g) > 0.3).to(torch.int32)
+    src[valid == 0] = float("nan")
+    out = dev(torch.full((tiles, threads, 4), float("nan")))
+    src_d, valid_d = dev(src), dev(valid)
+    st.cp_async_ring(src_d.data_ptr(), valid_d.data_ptr(), out.data_ptr(), tiles, threads, stages)
+    want = torch.where(valid[..., None] != 0, src, torch.zeros(()))
+    assert torch.equal(out.cpu(), want.roll(-1, dims=1))
+
+
+@host_only
+def test_cp_async_lands_at_the_latest_wait_that_covers_it(st):
+    """Before a wait the destination reads as NaN (the copy is in flight); wait_group 1 lands
+    the older group only; wait_group 0 lands both."""
+    src = torch.arange(8, dtype=torch.float32) + 1
+    out = torch.zeros(6, 4)
+    st.cp_async_wait(src.data_ptr(), out.data_ptr())
+    first, second = src[:4], src[4:]
+    assert torch.isnan(out[0]).all() and torch.isnan(out[1]).all()
+    assert torch.equal(out[2], first) and torch.isnan(out[3]).all()
+    assert torch.equal(out[4], first) and torch.equal(out[5], second)
+
+
 # ---- coordinates, vectors, stacks ----
 
 def test_3d_grid_and_block_coordinates(st, schedule):
@@ -346,6 +421,7 @@ def test_large_thread_stacks(st):
     ("partial_mask", r"mask 0x0000ffff.*every existing lane"),
     ("divergent_kinds", r"divergent warp collectives"),
     ("too_many_threads", r"1 to 1024 threads"),
+    ("cp_async_unwaited", r"cp.async copies it never waited for"),
 ])
 def test_faulty_kernels_are_reported(st, which, message):
     out = torch.zeros(64)

@@ -80,6 +80,18 @@ PYBIND11_MODULE(PK_SELFTEST_MODULE, m) {
     check(st_mma(ptr<const uint16_t>(a), ptr<const uint16_t>(bt), ptr<const float>(c),
                  ptr<float>(d), warps, bf16, in_place));
   });
+  m.def("ldmatrix", [](uintptr_t src, uintptr_t perm, uintptr_t out, int pitch, bool trans) {
+    check(st_ldmatrix(ptr<const uint16_t>(src), ptr<const int>(perm), ptr<uint32_t>(out), pitch,
+                      trans));
+  });
+  m.def("cp_async_ring", [](uintptr_t src, uintptr_t valid, uintptr_t out, int tiles,
+                            int threads, int stages) {
+    check(st_cp_async_ring(ptr<const void>(src), ptr<const int>(valid), ptr<void>(out), tiles,
+                           threads, stages));
+  });
+  m.def("cp_async_wait", [](uintptr_t src, uintptr_t out) {
+    check(st_cp_async_wait(ptr<const void>(src), ptr<void>(out)));
+  });
   m.def("coords", [](uintptr_t out, int gx, int gy, int gz, int bx, int by, int bz) {
     check(st_coords(ptr<int>(out), gx, gy, gz, bx, by, bz));
   });

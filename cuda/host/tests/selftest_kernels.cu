@@ -6,6 +6,7 @@
 // Launchers return nullptr or the launch error, like CK's launchers.
 #include "../../csrc/pk_platform.cuh"
 #include "../../csrc/pk_mma.cuh"
+#include "../../csrc/pk_cp_async.cuh"
 
 #include <cstdint>
 #include <string>
@@ -60,6 +61,71 @@ __global__ void neighbour_dynamic_kernel(const float* x, float* out, int barrier
   buf[t] = x[base + t];
   if (barrier) __syncthreads();
   out[base + t] = buf[(t + 1) % blockDim.x];
+}
+
+// ---- ldmatrix: lane l gives the address of row perm[l] of src [32][8] (16-bit), stored in
+// shared memory with a pitch of `pitch` elements; out[l][i] = the lane's register i ----
+template <bool TRANS>
+__global__ void ldmatrix_kernel(const uint16_t* src, const int* perm, uint32_t* out, int pitch) {
+  extern __shared__ __align__(16) float4 dyn_smem[];
+  uint16_t* tile = reinterpret_cast<uint16_t*>(dyn_smem);
+  const int lane = threadIdx.x;
+  for (int e = 0; e < 8; ++e) tile[lane * pitch + e] = src[lane * 8 + e];
+  __syncthreads();
+  uint32_t r[4];
+  if (TRANS) pk_ldmatrix_x4_trans(r, tile + perm[lane] * pitch);
+  else pk_ldmatrix_x4(r, tile + perm[lane] * pitch);
+  for (int i = 0; i < 4; ++i) out[lane * 4 + i] = r[i];
+}
+
+// ---- cp.async ring: `tiles` tiles of blockDim.x 16-byte pieces stream through `stages` ring
+// slots (the decode kernel's pattern); piece j of tile t is copied if valid[t * n + j], else
+// zero-filled. Every thread writes out the piece of its right neighbour after the barrier, so
+// a missing wait or barrier would show. ----
+template <int STAGES>
+__global__ void cp_async_ring_kernel(const uint4* src, const int* valid, uint4* out, int tiles) {
+  extern __shared__ __align__(16) float4 dyn_smem[];
+  uint4* ring = reinterpret_cast<uint4*>(dyn_smem);  // [STAGES][blockDim.x]
+  const int n = blockDim.x, t = threadIdx.x;
+  auto issue = [&](int tile) {
+    if (tile < tiles)
+      pk_cp_async16(ring + (tile % STAGES) * n + t, src + tile * n + t, valid[tile * n + t] != 0);
+    pk_cp_async_commit();
+  };
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  for (int tile = 0; tile < tiles; ++tile) {
+    pk_cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    issue(tile + STAGES - 1);
+    out[tile * n + t] = ring[(tile % STAGES) * n + (t + 1) % n];
+  }
+  pk_cp_async_wait<0>();
+}
+
+// ---- cp.async.wait_group N: two groups committed; out[0..3] read before any wait, out[4..7]
+// after wait_group 1 (the first group landed, the second may not have), out[8..11] after
+// wait_group 0. Thread 0 only. ----
+__global__ void cp_async_wait_kernel(const float4* src, float4* out) {
+  extern __shared__ __align__(16) float4 dyn_smem[];
+  pk_cp_async16(dyn_smem, src, true);
+  pk_cp_async_commit();
+  pk_cp_async16(dyn_smem + 1, src + 1, true);
+  pk_cp_async_commit();
+  out[0] = dyn_smem[0];
+  out[1] = dyn_smem[1];
+  pk_cp_async_wait<1>();
+  out[2] = dyn_smem[0];
+  out[3] = dyn_smem[1];
+  pk_cp_async_wait<0>();
+  out[4] = dyn_smem[0];
+  out[5] = dyn_smem[1];
+}
+
+// A thread that returns with a copy it never waited for.
+__global__ void cp_async_unwaited_kernel(const float* x) {
+  extern __shared__ __align__(16) float4 dyn_smem[];
+  pk_cp_async16(dyn_smem, x, true);
+  pk_cp_async_commit();
 }
 
 }  // namespace selftest
@@ -265,6 +331,31 @@ const char* st_mma(const uint16_t* a, const uint16_t* bt, const float* c, float*
   return launch_result(cudaSuccess);
 }
 
+const char* st_ldmatrix(const uint16_t* src, const int* perm, uint32_t* out, int pitch,
+                        int trans) {
+  const size_t smem = 32 * pitch * sizeof(uint16_t);
+  if (trans) PK_LAUNCH(selftest::ldmatrix_kernel<true>, 1, 32, smem, 0, src, perm, out, pitch);
+  else PK_LAUNCH(selftest::ldmatrix_kernel<false>, 1, 32, smem, 0, src, perm, out, pitch);
+  return launch_result(cudaSuccess);
+}
+
+const char* st_cp_async_ring(const void* src, const int* valid, void* out, int tiles,
+                             int threads, int stages) {
+  const uint4* s = static_cast<const uint4*>(src);
+  uint4* o = static_cast<uint4*>(out);
+  const size_t smem = static_cast<size_t>(stages) * threads * 16;
+  if (stages == 2) PK_LAUNCH(selftest::cp_async_ring_kernel<2>, 1, threads, smem, 0, s, valid, o, tiles);
+  else if (stages == 3) PK_LAUNCH(selftest::cp_async_ring_kernel<3>, 1, threads, smem, 0, s, valid, o, tiles);
+  else return "st_cp_async_ring: stages must be 2 or 3";
+  return launch_result(cudaSuccess);
+}
+
+const char* st_cp_async_wait(const void* src, void* out) {
+  PK_LAUNCH(selftest::cp_async_wait_kernel, 1, 1, 32, 0, static_cast<const float4*>(src),
+            static_cast<float4*>(out));
+  return launch_result(cudaSuccess);
+}
+
 const char* st_coords(int* out, int gx, int gy, int gz, int bx, int by, int bz) {
   PK_LAUNCH(coords_kernel, dim3(gx, gy, gz), dim3(bx, by, bz), 0, 0, out);
   return launch_result(cudaSuccess);
@@ -283,6 +374,7 @@ const char* st_faulty(const char* which, float* out, const float* x) {
   else if (w == "divergent_kinds") PK_LAUNCH(divergent_kinds_kernel, 1, 32, 0, 0, out);
   else if (w == "early_exit") PK_LAUNCH(early_exit_barrier_kernel, 1, 64, 0, 0, x, out);
   else if (w == "big_stack") PK_LAUNCH(big_stack_kernel, 2, 64, 0, 0, out);
+  else if (w == "cp_async_unwaited") PK_LAUNCH(selftest::cp_async_unwaited_kernel, 1, 32, 16, 0, x);
   else if (w == "too_many_threads") PK_LAUNCH(big_stack_kernel, 1, 2048, 0, 0, out);
   else return "st_faulty: unknown kernel";
   return launch_result(cudaSuccess);
