@@ -90,6 +90,21 @@ def test_decode_split_k(monkeypatch, partition):
     check(case, torch.bfloat16, sliding_window=40, soft_cap=5.0)
 
 
+@pytest.mark.parametrize("decode", ["mma", "simt"])
+@pytest.mark.parametrize("head_size,block_size", [(80, 24), (256, 8), (112, 64)])
+def test_decode_kernels_head_and_block_sizes(monkeypatch, decode, head_size, block_size):
+    """Both decode kernels for 16-bit types (PAGED_KERNELS_CUDA_DECODE) on head sizes that are
+    not powers of two or need two ring stages, block sizes that are not, a partial last K/V
+    tile, a GQA group of 32 (two mma row chunks), split-K, and every feature."""
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE", decode)
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "64")
+    slopes = torch.tensor([2.0 ** (-(h % 8 + 1)) for h in range(32)], dtype=torch.float32)
+    case = make_case([1, 64, 65, 150], None, heads=32, kv_heads=1, head_size=head_size,
+                     block_size=block_size, dtype=torch.float16, seed=head_size, strided=True)
+    check(case, torch.float16)
+    check(case, torch.float16, sliding_window=70, soft_cap=4.0, alibi_slopes=slopes)
+
+
 def test_decode_group_tiles():
     """GQA groups of 3 and 16 heads: partial group tiles and several head chunks per KV head."""
     for heads, kv in [(6, 2), (16, 1)]:
@@ -142,12 +157,17 @@ def test_out_strided_and_only_out_written():
 
 # ---- synchronisation: results independent of the thread schedule ----
 
-@pytest.mark.parametrize("kind", ["decode-split", "varlen-mma", "varlen-simt"])
+@pytest.mark.parametrize("kind", ["decode-split", "decode-simt-split", "varlen-mma",
+                                  "varlen-simt"])
 def test_results_bit_identical_under_every_schedule(monkeypatch, kind):
-    monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "32")
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "32" if kind == "decode-simt-split"
+                       else "128")
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE", "simt" if kind == "decode-simt-split"
+                       else "mma")
     dtype = torch.float32 if kind == "varlen-simt" else torch.bfloat16
-    q_lens = None if kind == "decode-split" else MIXED[1]
-    seq_lens = [90, 33, 1] if kind == "decode-split" else MIXED[0]
+    decode = kind.startswith("decode")
+    q_lens = None if decode else MIXED[1]
+    seq_lens = [300, 90, 33, 1] if decode else MIXED[0]
     case = make_case(seq_lens, q_lens, heads=8, kv_heads=2, head_size=64, block_size=16,
                      dtype=dtype, seed=9)
     results = []
