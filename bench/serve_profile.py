@@ -5,8 +5,8 @@ sampling and Python overhead (everything else in `LLMEngine.step`).
 
 Loads the model once, fills `batch` sequences with `--prompt-len` random prompt tokens (prefill
 not timed), then times `--steps` decode steps with wall-clock wrappers around the model's matmuls
-(its `_linear` helper if it has one, else `F.linear`; the LM head included), `paged_attention`
-and `write_kv` (as the model calls them) and the sampler. Prints one markdown row per
+(its `_linear` helper if it has one, else `F.linear`; the LM head included), the attention
+plan's `run` and `write_kv` (as every layer calls them) and the sampler. Prints one markdown row per
 (threads, batch).
 """
 
@@ -46,8 +46,9 @@ def install_model_timers(model: Any) -> None:
         llama._linear = timed("matmul", llama._linear)
     else:
         llama.F = _FProxy()  # the model's F.linear goes through the timer
-    llama.paged_attention = timed("attention", llama.paged_attention)
-    llama.write_kv = timed("write_kv", llama.write_kv)
+    plan_class = llama.AttentionPlan
+    plan_class.run = timed("attention", plan_class.run)
+    plan_class.write_kv = timed("write_kv", plan_class.write_kv)
     model.forward = timed("forward", model.forward)
 
 

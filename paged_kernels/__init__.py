@@ -7,9 +7,11 @@ operations as torch custom operators, for `torch.compile` and CUDA graphs, in
 
 from paged_kernels.abi import AttentionProblem, Support
 from paged_kernels.attention import (
+    AttentionPlan,
     copy_blocks,
     merge_attn_states,
     paged_attention,
+    plan,
     swap_blocks,
     write_kv,
 )
@@ -28,7 +30,7 @@ from paged_kernels import custom_ops  # noqa: E402,F401  isort: skip
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionProblem", "Backend", "BackendUnavailable", "Support", "available_backends",
-    "copy_blocks", "get_backend", "merge_attn_states", "paged_attention", "registered_backends",
-    "swap_blocks", "unavailable_backends", "write_kv",
+    "AttentionPlan", "AttentionProblem", "Backend", "BackendUnavailable", "Support",
+    "available_backends", "copy_blocks", "get_backend", "merge_attn_states", "paged_attention",
+    "plan", "registered_backends", "swap_blocks", "unavailable_backends", "write_kv",
 ]

@@ -309,6 +309,15 @@ def content_checks_requested(check: Optional[bool]) -> bool:
 
 
 def check_attention_contents(p: AttentionProblem) -> None:
+    """`check_metadata_contents` for a checked `paged_attention` problem."""
+    check_metadata_contents(p.block_tables, p.seq_lens, p.cu_seqlens_q, p.num_tokens,
+                            p.block_size, p.num_blocks)
+
+
+def check_metadata_contents(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+    num_tokens: int, block_size: int, num_blocks: int,
+) -> None:
     """Checks the values that will be read; synchronises with the device.
 
     - `0 <= seq_lens[s] <= max_blocks_per_seq * block_size`;
@@ -316,29 +325,29 @@ def check_attention_contents(p: AttentionProblem) -> None:
       and each `q_len <= seq_len`;
     - every block id in the first `ceil(seq_len / block_size)` entries is in `[0, num_blocks)`.
     """
-    seq_lens = p.seq_lens.long().cpu()
-    capacity = p.block_tables.shape[1] * p.block_size
-    if bool((seq_lens < 0).any()) or bool((seq_lens > capacity).any()):
+    lens = seq_lens.long().cpu()
+    capacity = block_tables.shape[1] * block_size
+    if bool((lens < 0).any()) or bool((lens > capacity).any()):
         _fail(ValueError, "seq_lens", f"values in [0, {capacity}] (max_blocks_per_seq * "
-              "block_size)", f"min {int(seq_lens.min())}, max {int(seq_lens.max())}")
-    if p.cu_seqlens_q is not None:
-        cu = p.cu_seqlens_q.long().cpu()
+              "block_size)", f"min {int(lens.min())}, max {int(lens.max())}")
+    if cu_seqlens_q is not None:
+        cu = cu_seqlens_q.long().cpu()
         q_lens = cu[1:] - cu[:-1]
-        if int(cu[0]) != 0 or int(cu[-1]) != p.num_tokens or bool((q_lens < 0).any()):
+        if int(cu[0]) != 0 or int(cu[-1]) != num_tokens or bool((q_lens < 0).any()):
             _fail(ValueError, "cu_seqlens_q", f"non-decreasing from 0 to num_tokens="
-                  f"{p.num_tokens}", cu.tolist())
-        if bool((q_lens > seq_lens).any()):
-            s = int(torch.nonzero(q_lens > seq_lens)[0])
+                  f"{num_tokens}", cu.tolist())
+        if bool((q_lens > lens).any()):
+            s = int(torch.nonzero(q_lens > lens)[0])
             _fail(ValueError, "cu_seqlens_q", "q_len <= seq_len for every sequence",
-                  f"q_len {int(q_lens[s])} > seq_len {int(seq_lens[s])} for sequence {s}")
-    elif bool((seq_lens < 1).any()):
+                  f"q_len {int(q_lens[s])} > seq_len {int(lens[s])} for sequence {s}")
+    elif bool((lens < 1).any()):
         _fail(ValueError, "seq_lens", "values >= 1 for decode (each query is in the cache)",
-              seq_lens.tolist())
-    used = torch.arange(p.block_tables.shape[1]) < ((seq_lens + p.block_size - 1)
-                                                   // p.block_size)[:, None]
-    ids = p.block_tables.long().cpu()[used]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= p.num_blocks):
-        _fail(ValueError, "block_tables", f"block ids in [0, {p.num_blocks}) in the entries "
+              lens.tolist())
+    used = torch.arange(block_tables.shape[1]) < ((lens + block_size - 1)
+                                                  // block_size)[:, None]
+    ids = block_tables.long().cpu()[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        _fail(ValueError, "block_tables", f"block ids in [0, {num_blocks}) in the entries "
               "that are read", f"min {int(ids.min())}, max {int(ids.max())}")
 
 

@@ -1,7 +1,9 @@
 """The public API: paged attention and the cache operations over a block-table KV cache.
 
 The ABI (layouts, positions, masks, what is never read, errors) is stated once in docs/abi.md and
-checked once in `paged_kernels.abi`; every backend implements exactly that.
+checked once in `paged_kernels.abi`; every backend implements exactly that. A model that runs one
+step's metadata through many layers checks it once with `plan(...)` and calls the returned
+`AttentionPlan`'s `run` / `write_kv` per layer (paged_kernels/plan.py).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from paged_kernels.abi import (
     require_int_tensor,
 )
 from paged_kernels.backends import resolve_backend
+from paged_kernels.plan import AttentionPlan, plan
 
-__all__ = ["paged_attention", "write_kv", "copy_blocks", "swap_blocks", "merge_attn_states"]
+__all__ = ["paged_attention", "write_kv", "copy_blocks", "swap_blocks", "merge_attn_states",
+           "plan", "AttentionPlan"]
 
 
 def paged_attention(

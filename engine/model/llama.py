@@ -6,7 +6,8 @@ attention through `paged_kernels.attention`, SwiGLU MLP, tied or separate output
 For speed on a CPU the projections are fused (one `qkv_proj` and one `gate_up_proj` matmul per
 layer) and, once loaded, packed in oneDNN's layout (`pack_weights`); rotary cos/sin are gathered
 once per forward and shared by every layer, and the forward never synchronises (no `.item()`);
-the attention metadata is built once per step by the caller.
+the attention metadata is built once per step by the caller and checked once per forward
+(`paged_kernels.attention.plan`), then each layer runs the plan on its own caches.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.metadata import AttentionMetadata
-from paged_kernels.attention import paged_attention, write_kv
+from engine.model.quant import QuantizedWeight, quantized_linear
+from paged_kernels.attention import AttentionPlan, plan
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -98,8 +100,14 @@ def _rotary_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), sin
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T`, through oneDNN directly when `weight` was packed by `pack_weights`."""
+def _linear(x: torch.Tensor, weight: Union[torch.Tensor, QuantizedWeight]) -> torch.Tensor:
+    """`x @ weight.T`: from the GGUF blocks of a `QuantizedWeight` when `x` has few rows
+    (engine/model/quant.py), else through oneDNN directly when the weight was packed by
+    `pack_weights`."""
+    if isinstance(weight, QuantizedWeight):
+        if weight.use_blocks(x):
+            return quantized_linear(x, weight.blocks)
+        weight = weight.dense
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
@@ -149,27 +157,25 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = param(h, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: KVCache, attn: AttentionPlan) -> torch.Tensor:
         """Returns the block's output `[T, hidden_size]` (residual included); writes this step's
-        K/V to `kv_cache` at `meta.slot_mapping`."""
+        K/V to `kv_cache` at the plan's slots."""
         x = F.rms_norm(hidden, hidden.shape[-1:], self.input_layernorm, self.eps)
-        hidden = hidden + self._attention(x, cos, sin, kv_cache, meta)
+        hidden = hidden + self._attention(x, cos, sin, kv_cache, attn)
         x = F.rms_norm(hidden, hidden.shape[-1:], self.post_attention_layernorm, self.eps)
         gate, up = _linear(x, self.gate_up_proj).chunk(2, dim=-1)
         return hidden + _linear(F.silu(gate) * up, self.down_proj)
 
     def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+                   kv_cache: KVCache, attn: AttentionPlan) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = _linear(x, self.qkv_proj).view(num_tokens, -1, self.head_dim)
         qk = _apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
-        q = qk[:, :self.num_heads]
-        k = qk[:, self.num_heads:].contiguous()
-        v = qkv[:, self.num_heads + self.num_kv_heads:].contiguous()
+        # strided row views: write_kv honours any strides with a contiguous last dimension
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
-        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                              cu_seqlens_q=meta.cu_seqlens_q, backend=meta.backend)
+        attn.write_kv(qk[:, self.num_heads:], qkv[:, self.num_heads + self.num_kv_heads:],
+                      k_cache, v_cache)
+        out = attn.run(qk[:, :self.num_heads], k_cache, v_cache)
         return _linear(out.reshape(num_tokens, -1), self.o_proj)
 
 
@@ -211,10 +217,22 @@ class LlamaForCausalLM(nn.Module):
                              f"per layer, got {len(kv_caches)}")
         cos = self.rotary_cos[positions].to(self.dtype)[:, None, :]
         sin = self.rotary_sin[positions].to(self.dtype)[:, None, :]
+        attn = self.plan_attention(meta, input_ids.shape[0], kv_caches[0][0])
         hidden = F.embedding(input_ids, self.embed_tokens)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+            hidden = layer(hidden, cos, sin, kv_cache, attn)
         return F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.config.rms_norm_eps)
+
+    def plan_attention(self, meta: AttentionMetadata, num_tokens: int,
+                       key_cache: torch.Tensor) -> AttentionPlan:
+        """The step's attention plan (metadata checked once, run by every layer); `key_cache` is
+        any layer's (all layers' caches have one shape)."""
+        c = self.config
+        return plan(meta.block_tables, meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
+                    slot_mapping=meta.slot_mapping, num_tokens=num_tokens,
+                    num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                    head_size=c.head_dim, block_size=key_cache.shape[2],
+                    num_blocks=key_cache.shape[0], dtype=key_cache.dtype, backend=meta.backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab_size]` for final hidden states `[N, hidden_size]`."""
@@ -327,3 +345,13 @@ _LAYER_TENSORS: dict[str, tuple[str, Optional[int]]] = {
     "mlp.up_proj": ("gate_up_proj", 1),
     "mlp.down_proj": ("down_proj", None),
 }
+
+
+def fused_parts() -> dict[str, list[str]]:
+    """Each projection of a decoder layer with the checkpoint sub-names of its parts, in row
+    order (e.g. "qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])."""
+    parts: dict[str, list[tuple[int, str]]] = {}
+    for key, (fused, index) in _LAYER_TENSORS.items():
+        if fused.endswith("_proj"):
+            parts.setdefault(fused, []).append((index or 0, key))
+    return {fused: [key for _, key in sorted(found)] for fused, found in parts.items()}
