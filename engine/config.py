@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 PREEMPTION_MODES = ("recompute", "swap")
+QUANTIZATION_MODES = ("auto", "gguf", "none")  # see engine/model/quant.py
 
 
 def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
@@ -37,6 +38,9 @@ class EngineConfig:
       to the host pool and back).
     - `max_model_len`: most tokens (prompt + output) in one sequence; None = from the model.
     - `backend`: the attention backend name passed to `paged_kernels` ("auto" by default).
+    - `quantization`: how a model is loaded when the engine loads it (docs/quant.md): "gguf"
+      multiplies small batches by a GGUF file's own Q4_1/Q8_0 blocks, "none" (or None) uses
+      dense weights only, "auto" (default) is "gguf" wherever it applies.
     """
 
     block_size: int = 16
@@ -49,6 +53,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     max_model_len: Optional[int] = None
     backend: str = "auto"
+    quantization: Optional[str] = "auto"
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)
@@ -69,3 +74,6 @@ class EngineConfig:
                              f"{self.enable_prefix_caching!r}")
         if not isinstance(self.backend, str):
             raise ValueError(f"backend: expected a str, got {self.backend!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization: expected one of {QUANTIZATION_MODES} or None, got "
+                             f"{self.quantization!r}")

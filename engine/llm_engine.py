@@ -44,7 +44,8 @@ class LLMEngine:
                  device: Union[str, torch.device] = "cpu", kv_fill: Optional[float] = None
                  ) -> None:
         self.config = config = config or EngineConfig()
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype, device)
+        self.loaded = (model if isinstance(model, LoadedModel)
+                       else load_model(model, dtype, device, config.quantization))
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.device = torch.device(device)

@@ -14,6 +14,8 @@ import re
 import sys
 from typing import Any, Optional, Sequence
 
+from engine.config import QUANTIZATION_MODES
+
 #: Environment variable read when --api-key is not given.
 API_KEY_ENV = "ENGINE_API_KEY"
 _DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -61,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
                    help="weights and KV cache dtype (auto = bfloat16)")
     p.add_argument("--backend", default="auto", help="paged_kernels attention backend")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES,
+                   help="gguf: batches of few tokens multiply by the GGUF file's own Q4_1/Q8_0 "
+                        "blocks (docs/quant.md); none: dense weights only; auto (default): gguf "
+                        "where it applies")
     p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=_positive, default=None,
@@ -116,7 +122,7 @@ def engine_builder(args: argparse.Namespace) -> Any:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
-            backend=args.backend)
+            backend=args.backend, quantization=args.quantization)
         dtype = getattr(torch, _DTYPES[args.dtype])
         engine = LLMEngine(args.model, dtype=dtype, config=config)
         _log_engine(engine)
@@ -136,11 +142,11 @@ def _log_engine(engine: Any) -> None:
     blocks = engine.block_manager.num_blocks
     logger.info("model %s (%s), dtype %s, backend %s, %d KV blocks of %d tokens (%d tokens), "
                 "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix caching "
-                "%s, preemption %s", engine.loaded.name, engine.loaded.path,
+                "%s, preemption %s, quantization %s", engine.loaded.name, engine.loaded.path,
                 str(engine.dtype).replace("torch.", ""), backend, blocks, cfg.block_size,
                 blocks * cfg.block_size, engine.max_model_len, cfg.max_num_seqs,
                 cfg.max_num_batched_tokens, "on" if cfg.enable_prefix_caching else "off",
-                cfg.preemption_mode)
+                cfg.preemption_mode, engine.loaded.quantization)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

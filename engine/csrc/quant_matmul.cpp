@@ -1,0 +1,338 @@
+// Weight-only quantized matmul on the CPU: y[M, N] = x[M, K] @ W[N, K]^T with W kept as a GGUF
+// file stores it. Compiled at first use by engine/native_build.py; called by engine/model/quant.py.
+//
+// Formats (ggml's; 32 weights per block; the K/32 blocks of one output row are contiguous):
+//   Q4_1 (20 bytes): f16 d, f16 m, 16 bytes qs; weight j = d * q_j + m with q_j = qs[j] & 15 for
+//                    j < 16 and qs[j - 16] >> 4 for j >= 16.
+//   Q8_0 (34 bytes): f16 d, 32 int8 q; weight j = d * q_j.
+// Every weight is dequantised to float32 as one fma (d * q + m rounded once: the value the `gguf`
+// package computes, i.e. the file's weight) and multiplied with float32 activations (bfloat16 ones
+// are widened once per call, exactly); sums are float32.
+//
+// Work split: OpenMP over tiles of ROW_TILE output features (static schedule: every tile costs the
+// same). One thread owns its features for every row of x: a weight block is read from memory once
+// and used for up to M_TILE activation rows held in registers; with one or two activation rows, 4 or
+// 2 features run side by side so that the fma chains overlap. M > M_TILE re-reads the weights once
+// per group of M_TILE rows (the caller keeps M small: engine/model/quant.py's crossover).
+// Bytes moved per call: N * K/32 * block bytes of weights, M * K activations, M * N outputs.
+//
+// Invariants relied on (checked by the entry point): x is [M, K] contiguous, K % 32 == 0, blocks is
+// [N, K/32 * block bytes] contiguous uint8, out is [M, N] contiguous of x's dtype. The result does
+// not depend on the thread count.
+#include <torch/extension.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__) && defined(__F16C__)
+#define QM_SIMD 1
+#include <immintrin.h>
+#if defined(__AVX512BF16__)
+#define QM_BF16 1
+#endif
+#endif
+
+namespace {
+
+constexpr int QK = 32;        // weights per block
+constexpr int M_TILE = 8;     // activation rows per weight sweep
+constexpr int ROW_TILE = 16;  // output features per OpenMP work item
+
+// --- float16 -> float32 (portable; exact for every f16 value) -----------------------------------
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do { mant <<= 1; ++e; } while (!(mant & 0x400u));
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+// --- formats: scalar dequantisation (portable path and oracle-free reference of the SIMD one) --
+
+struct Q4_1 {
+  static constexpr int BYTES = 20;
+  static void dequant(const uint8_t* b, float* w) {
+    const float d = f16_to_f32(load_u16(b)), m = f16_to_f32(load_u16(b + 2));
+    for (int j = 0; j < 16; ++j) {
+      w[j] = d * static_cast<float>(b[4 + j] & 15) + m;  // d * q is exact: one rounding, as fma
+      w[j + 16] = d * static_cast<float>(b[4 + j] >> 4) + m;
+    }
+  }
+#if defined(QM_SIMD)
+  static inline void dequant(const uint8_t* b, __m512& w0, __m512& w1) {
+    uint32_t dm;
+    std::memcpy(&dm, b, 4);
+    const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));  // [d, m, 0, 0]
+    const __m512 d = _mm512_broadcastss_ps(dmf);
+    const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dmf));
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i low = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(qs, low);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
+  }
+#endif
+};
+
+struct Q8_0 {
+  static constexpr int BYTES = 34;
+  static void dequant(const uint8_t* b, float* w) {
+    const float d = f16_to_f32(load_u16(b));
+    for (int j = 0; j < QK; ++j) w[j] = d * static_cast<float>(static_cast<int8_t>(b[2 + j]));
+  }
+#if defined(QM_SIMD)
+  static inline void dequant(const uint8_t* b, __m512& w0, __m512& w1) {
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(b)));
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+  }
+#endif
+};
+
+// --- one group of output features against MT activation rows ------------------------------------
+
+struct Problem {
+  const float* x;       // [M, K] float32 (x itself, or bf16 x widened)
+  const uint16_t* xb;   // [M, K] bfloat16 bits when x is bf16 (the bf16 dot path), else null
+  const float* sx;      // [M, K/32] block sums of x, pairs {0, sum} (the bf16 dot path), else null
+  const uint8_t* w;     // [N, row_bytes]
+  float* y;             // [M, N] float32 (converted by the caller when out is bf16)
+  int64_t M, N, K, row_bytes;
+};
+
+#if defined(QM_SIMD)
+// Feature n x MT rows m0..: U blocks in flight, each with two accumulators (the w0 and w1 halves
+// of a block), so 2 * U * MT independent fma chains while the weights stream sequentially.
+template <class F, int MT, int U>
+inline void feature_simd(const Problem& p, int64_t n, int64_t m0) {
+  __m512 acc[U][MT][2];
+  for (int u = 0; u < U; ++u)
+    for (int i = 0; i < MT; ++i) acc[u][i][0] = acc[u][i][1] = _mm512_setzero_ps();
+  const int64_t nb = p.K / QK;
+  const float* x = p.x + m0 * p.K;
+  const uint8_t* row = p.w + n * p.row_bytes;
+  auto step = [&](int u, int64_t b) {
+    __m512 w0, w1;
+    F::dequant(row + b * F::BYTES, w0, w1);
+    for (int i = 0; i < MT; ++i) {
+      const float* xi = x + i * p.K + b * QK;
+      acc[u][i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc[u][i][0]);
+      acc[u][i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi + 16), acc[u][i][1]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + U <= nb; b += U)
+    for (int u = 0; u < U; ++u) step(u, b + u);
+  for (; b < nb; ++b) step(0, b);
+  for (int i = 0; i < MT; ++i) {
+    __m512 sum = _mm512_add_ps(acc[0][i][0], acc[0][i][1]);
+    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[u][i][0], acc[u][i][1]));
+    p.y[(m0 + i) * p.N + n] = _mm512_reduce_add_ps(sum);
+  }
+}
+#endif
+
+#if defined(QM_BF16)
+// Q4_1 with bfloat16 activations: sum_j x_j (d q_j + m) = d * sum_j x_j q_j + m * sum_j x_j.
+// q_j (0..15) is exact in bf16 and x_j is bf16, so one vdpbf16ps forms the 32 products exactly
+// and sums them in float32; the block's d scales that partial sum (fma) and m meets the block sum
+// of x (precomputed once per row in float32) in a separate 128-bit accumulator.
+template <int MT, int U>
+inline void q4_1_feature_bf16(const Problem& p, int64_t n, int64_t m0) {
+  // bf16 bits of i & 15 for a 5-bit index: the low-nibble half needs no mask.
+  const __m512i table = _mm512_set_epi16(
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  __m512 acc[U][MT];
+  __m128 accm[U][MT];
+  for (int u = 0; u < U; ++u)
+    for (int i = 0; i < MT; ++i) { acc[u][i] = _mm512_setzero_ps(); accm[u][i] = _mm_setzero_ps(); }
+  const int64_t nb = p.K / QK;
+  const uint16_t* x = p.xb + m0 * p.K;
+  const float* sx = p.sx + m0 * nb * 2;
+  const uint8_t* row = p.w + n * p.row_bytes;
+  auto step = [&](int u, int64_t b) {
+    const uint8_t* blk = row + b * Q4_1::BYTES;
+    uint32_t dm;
+    std::memcpy(&dm, blk, 4);
+    const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));  // [d, m, 0, 0]
+    const __m512 d = _mm512_broadcastss_ps(dmf);
+    // 16 bytes twice -> 32 words; the upper 16 shifted right by 4 (high nibbles); the table
+    // lookup reads each word's low 5 bits.
+    const __m512i words = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4))));
+    const __m512i idx = _mm512_mask_srli_epi16(words, 0xFFFF0000u, words, 4);
+    const __m512bh q = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+    for (int i = 0; i < MT; ++i) {
+      const __m512bh xi = (__m512bh)_mm512_loadu_si512(x + i * p.K + b * QK);
+      acc[u][i] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q, xi), d, acc[u][i]);
+      const __m128 s =
+          _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sx + (i * nb + b) * 2)));
+      accm[u][i] = _mm_fmadd_ps(dmf, s, accm[u][i]);  // lane 1: m * sum(x)
+    }
+  };
+  int64_t b = 0;
+  for (; b + U <= nb; b += U)
+    for (int u = 0; u < U; ++u) step(u, b + u);
+  for (; b < nb; ++b) step(0, b);
+  for (int i = 0; i < MT; ++i) {
+    __m512 sum = acc[0][i];
+    __m128 summ = accm[0][i];
+    for (int u = 1; u < U; ++u) { sum = _mm512_add_ps(sum, acc[u][i]); summ = _mm_add_ps(summ, accm[u][i]); }
+    p.y[(m0 + i) * p.N + n] = _mm512_reduce_add_ps(sum) + _mm_cvtss_f32(_mm_movehdup_ps(summ));
+  }
+}
+#endif
+
+template <class F>
+void features_portable(const Problem& p, int64_t n, int64_t m0, int64_t mt) {
+  float acc[M_TILE][QK] = {};
+  float w[QK];
+  for (int64_t b = 0; b < p.K / QK; ++b) {
+    F::dequant(p.w + n * p.row_bytes + b * F::BYTES, w);
+    for (int64_t i = 0; i < mt; ++i) {
+      const float* xi = p.x + (m0 + i) * p.K + b * QK;
+      for (int j = 0; j < QK; ++j) acc[i][j] += w[j] * xi[j];
+    }
+  }
+  for (int64_t i = 0; i < mt; ++i) {
+    float s = 0.f;
+    for (int j = 0; j < QK; ++j) s += acc[i][j];
+    p.y[(m0 + i) * p.N + n] = s;
+  }
+}
+
+// Features [n0, n1) for activation rows [m0, m0 + mt), mt <= M_TILE.
+template <class F, int MT>
+void tile_rows(const Problem& p, int64_t n0, int64_t n1, int64_t m0) {
+  int64_t n = n0;
+#if defined(QM_SIMD)
+  constexpr int U = MT == 1 ? 4 : MT == 2 ? 2 : 1;
+#if defined(QM_BF16)
+  if (std::is_same<F, Q4_1>::value && p.xb != nullptr) {
+    for (; n < n1; ++n) q4_1_feature_bf16<MT, U>(p, n, m0);
+    return;
+  }
+#endif
+  for (; n < n1; ++n) feature_simd<F, MT, U>(p, n, m0);
+#else
+  for (; n < n1; ++n) features_portable<F>(p, n, m0, MT);
+#endif
+}
+
+template <class F>
+void tile(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < p.M; m0 += M_TILE) {
+    switch (std::min<int64_t>(M_TILE, p.M - m0)) {
+      case 1: tile_rows<F, 1>(p, n0, n1, m0); break;
+      case 2: tile_rows<F, 2>(p, n0, n1, m0); break;
+      case 3: tile_rows<F, 3>(p, n0, n1, m0); break;
+      case 4: tile_rows<F, 4>(p, n0, n1, m0); break;
+      case 5: tile_rows<F, 5>(p, n0, n1, m0); break;
+      case 6: tile_rows<F, 6>(p, n0, n1, m0); break;
+      case 7: tile_rows<F, 7>(p, n0, n1, m0); break;
+      default: tile_rows<F, 8>(p, n0, n1, m0); break;
+    }
+  }
+}
+
+template <class F>
+void run(const Problem& p, int64_t threads) {
+  const int64_t tiles = (p.N + ROW_TILE - 1) / ROW_TILE;
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min(threads, tiles)));
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t t = 0; t < tiles; ++t)
+    tile<F>(p, t * ROW_TILE, std::min(p.N, (t + 1) * ROW_TILE));
+}
+
+}  // namespace
+
+// Entry point: y = x @ W^T for W given as GGUF blocks of `qtype` ("Q4_1" or "Q8_0") with `n`
+// output features. x: [M, K] float32 or bfloat16, contiguous, K % 32 == 0; blocks: uint8
+// [n, K/32 * block bytes]. Returns [M, n] in x's dtype. Called by engine/model/quant.py, which
+// checks the user-facing arguments first; these checks guard the kernel's own invariants.
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, const std::string& qtype,
+                        int64_t threads) {
+  const bool q4 = qtype == "Q4_1";
+  TORCH_CHECK(q4 || qtype == "Q8_0", "qtype: expected Q4_1 or Q8_0, got ", qtype);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % QK == 0,
+              "x: expected a contiguous [M, K] tensor with K % 32 == 0");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x: expected float32 or bfloat16, got ", x.scalar_type());
+  const int64_t bytes = q4 ? Q4_1::BYTES : Q8_0::BYTES;
+  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte &&
+                  blocks.size(1) == x.size(1) / QK * bytes,
+              "blocks: expected contiguous uint8 [N, K/32 * ", bytes, "]");
+  const bool f32_out = x.scalar_type() == at::kFloat;
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  at::Tensor xf = x, sx;  // keep the widened copy and the block sums alive for the call
+  const uint16_t* xb = nullptr;
+#if defined(QM_BF16)
+  if (!f32_out && q4) {  // the bf16 dot path reads x as it is, plus its block sums
+    xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    sx = at::zeros({M, nb, 2}, x.options().dtype(at::kFloat));
+    float* s = sx.data_ptr<float>();
+    for (int64_t i = 0; i < M * nb; ++i) {
+      float sum = 0.f;
+      for (int j = 0; j < QK; ++j) {
+        const uint32_t bits = static_cast<uint32_t>(xb[i * QK + j]) << 16;
+        float v;
+        std::memcpy(&v, &bits, 4);
+        sum += v;
+      }
+      s[2 * i + 1] = sum;
+    }
+  }
+#endif
+  if (xb == nullptr && !f32_out) xf = x.to(at::kFloat);  // exact widening
+  at::Tensor y = at::empty({M, blocks.size(0)}, x.options().dtype(at::kFloat));
+  Problem p{xb == nullptr ? xf.data_ptr<float>() : nullptr, xb,
+            sx.defined() ? sx.data_ptr<float>() : nullptr, blocks.data_ptr<uint8_t>(),
+            y.data_ptr<float>(), M, blocks.size(0), K, blocks.size(1)};
+  if (p.M > 0 && p.N > 0) {
+    if (q4) run<Q4_1>(p, threads);
+    else run<Q8_0>(p, threads);
+  }
+  return f32_out ? y : y.to(x.scalar_type());  // round to nearest even, as torch rounds
+}
+
+// The code paths this build has: "avx512" (+ "bf16-dot") or "portable".
+std::string simd_paths() {
+#if defined(QM_BF16)
+  return "avx512,bf16-dot";
+#elif defined(QM_SIMD)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The GIL is released: the kernel touches no Python object (a server's other threads run on).
+  m.def("quant_matmul", &quant_matmul, "y = x @ W^T for GGUF Q4_1/Q8_0 blocks (engine/model/quant.py)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("simd_paths", &simd_paths, "the code paths compiled in");
+}

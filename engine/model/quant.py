@@ -1,0 +1,173 @@
+"""Weight-only quantization from a GGUF file: projections that keep the file's own blocks.
+
+A `QuantizedWeight` holds a projection twice: the blocks exactly as the GGUF file stores them
+(`GGUFBlocks`: Q4_1 or Q8_0, 32 weights per block) and the dense weight the model was loaded with
+(oneDNN-packed on a CPU). `quantized_linear` multiplies by the blocks directly (C++,
+`engine/csrc/quant_matmul.cpp`): every weight is dequantised in float32, which is exact, so the
+product uses the file's weights rather than a bfloat16-rounded copy, and a matmul streams ~3.5x
+(Q4_1) or ~1.9x (Q8_0) fewer bytes than bfloat16. The model's `_linear` takes that path when a
+step has at most `max_rows` token rows (decode of a few sequences, where the weights' bytes bound
+the time) and the dense path otherwise (prefill, large batches: compute-bound, oneDNN is faster).
+
+`attach_gguf_weights` puts QuantizedWeights into a loaded `LlamaForCausalLM`, fusing the q/k/v and
+gate/up parts the way the model fuses its dense weights (block rows concatenated, the llama.cpp
+rotary row permutation already undone by `engine.model.gguf_reader.gguf_blocks`). See
+docs/quant.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from engine.config import QUANTIZATION_MODES
+
+__all__ = ["QK", "BLOCK_BYTES", "DEFAULT_MAX_ROWS", "QUANTIZATION_MODES", "GGUFBlocks",
+           "QuantizedWeight", "quantized_linear", "kernel_available", "attach_gguf_weights"]
+
+#: Weights per GGUF block, and bytes per block of each format the kernel reads.
+QK = 32
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+#: Most token rows for which the blocks are used; above it the dense weight is (docs/quant.md:
+#: measured per projection shape of SmolLM2-135M in bf16 on a 2-core Zen 4).
+DEFAULT_MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """One weight matrix `[rows, cols]` as GGUF blocks: `data` is uint8 `[rows, cols/32 * bytes
+    per block]`, each row's blocks contiguous (ggml's layout), for `qtype` "Q4_1" or "Q8_0"."""
+
+    qtype: str
+    data: torch.Tensor
+    cols: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_BYTES:
+            raise ValueError(f"qtype: expected one of {sorted(BLOCK_BYTES)}, got {self.qtype!r}")
+        if self.cols < QK or self.cols % QK:
+            raise ValueError(f"cols: expected a positive multiple of {QK}, got {self.cols}")
+        want = self.cols // QK * BLOCK_BYTES[self.qtype]
+        if (self.data.dtype != torch.uint8 or self.data.dim() != 2
+                or self.data.shape[1] != want or not self.data.is_contiguous()):
+            raise ValueError(f"data: expected a contiguous uint8 tensor [rows, {want}] for "
+                             f"{self.qtype} with {self.cols} columns, got {self.data.dtype} "
+                             f"{tuple(self.data.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`(rows, cols)` of the weight matrix."""
+        return self.data.shape[0], self.cols
+
+    @staticmethod
+    def concat(parts: list["GGUFBlocks"]) -> "GGUFBlocks":
+        """The row-wise concatenation of `parts` (one fused weight). ValueError unless all parts
+        share the format and the column count."""
+        kinds = {(p.qtype, p.cols) for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"parts: expected one format and column count to fuse, got "
+                             f"{sorted(kinds)}")
+        return GGUFBlocks(parts[0].qtype, torch.cat([p.data for p in parts]), parts[0].cols)
+
+
+def quantized_linear(x: torch.Tensor, blocks: GGUFBlocks) -> torch.Tensor:
+    """`x @ W.T` for `x` `[M, cols]` (float32 or bfloat16) and W given as `blocks`, computed from
+    the blocks (float32 dequantisation and accumulation); returns `[M, rows]` in x's dtype, with
+    bfloat16 rounded to nearest even once at the end. Runs on torch's thread count; the result
+    does not depend on it."""
+    if x.dim() != 2 or x.shape[1] != blocks.cols:
+        raise ValueError(f"x: expected a [M, {blocks.cols}] tensor, got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"x: expected a float32 or bfloat16 CPU tensor, got {x.dtype} on "
+                         f"{x.device}")
+    return _kernel().quant_matmul(x.contiguous(), blocks.data, blocks.qtype,
+                                  torch.get_num_threads())
+
+
+class QuantizedWeight:
+    """A projection weight with both forms: `blocks` (the file's) and `dense` (the model's own
+    weight, plain or oneDNN-packed, same `[rows, cols]`). The model's `_linear` multiplies by the
+    blocks when `use_blocks(x)` (at most `max_rows` rows) and by `dense` otherwise."""
+
+    def __init__(self, blocks: GGUFBlocks, dense: torch.Tensor, max_rows: int = DEFAULT_MAX_ROWS
+                 ) -> None:
+        if tuple(dense.shape) != blocks.shape:
+            raise ValueError(f"dense: expected shape {blocks.shape} (the blocks'), got "
+                             f"{tuple(dense.shape)}")
+        if dense.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dense: expected float32 or bfloat16 (the kernel's activation "
+                             f"dtypes), got {dense.dtype}")
+        self.blocks = blocks
+        self.dense = dense
+        self.max_rows = max_rows
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.dense.shape
+
+    def use_blocks(self, x: torch.Tensor) -> bool:
+        """Whether `linear(x)` reads the blocks (few rows) rather than the dense weight."""
+        return x.shape[0] <= self.max_rows
+
+    def __repr__(self) -> str:
+        return (f"QuantizedWeight({self.blocks.qtype}, shape={tuple(self.shape)}, "
+                f"max_rows={self.max_rows})")
+
+
+_extension = None
+
+
+def _kernel():
+    """The compiled extension, built or loaded on first use (once per process)."""
+    global _extension
+    if _extension is None:
+        from engine.native_build import load_quant
+
+        _extension = load_quant()
+    return _extension
+
+
+def kernel_available() -> Optional[str]:
+    """None when the quantized-matmul extension builds (or is built) on this machine, else the
+    reason it does not."""
+    from engine.native_build import BuildFailed
+
+    try:
+        _kernel()
+    except BuildFailed as exc:
+        return str(exc)
+    return None
+
+
+def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUFBlocks]],
+                        max_rows: int = DEFAULT_MAX_ROWS) -> list[str]:
+    """Replaces each projection weight of `model` (a loaded `LlamaForCausalLM`) by a
+    `QuantizedWeight` over its GGUF blocks; `blocks` yields `(hugging_face_name, GGUFBlocks)`
+    for the file's tensors in a supported format (others are absent: those projections stay
+    dense). Returns the names of the model attributes converted (e.g. "layers.0.qkv_proj",
+    "lm_head"). ValueError when blocks do not match the model's shapes."""
+    from engine.model.llama import fused_parts
+
+    by_name = dict(blocks)
+    converted = []
+    targets = [(f"layers.{i}.", f"model.layers.{i}.", layer)
+               for i, layer in enumerate(model.layers)]
+    for prefix, hf_prefix, layer in targets:
+        for fused, parts in fused_parts().items():
+            names = [hf_prefix + part + ".weight" for part in parts]
+            if all(n in by_name for n in names):
+                _attach(layer, fused, GGUFBlocks.concat([by_name[n] for n in names]), max_rows)
+                converted.append(prefix + fused)
+    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    if head in by_name:
+        _attach(model, "lm_head", by_name[head], max_rows)
+        converted.append("lm_head")
+    return converted
+
+
+def _attach(module: torch.nn.Module, name: str, blocks: GGUFBlocks, max_rows: int) -> None:
+    dense = getattr(module, name)
+    module._parameters.pop(name, None)  # a Parameter slot takes no other type
+    setattr(module, name, QuantizedWeight(blocks, dense, max_rows))
