@@ -1,0 +1,89 @@
+"""The engine with GGUF quantization on (engine/model/quant.py) against transformers (float32).
+
+The oracle is transformers' own Llama loaded from the same GGUF file, with `generate(do_sample=
+False)`; it shares no code with the engine. Six prompts with different output lengths make the
+running batch shrink from 6 sequences to 1, so decode steps take both paths (dense weights above
+`max_rows` token rows, the file's blocks at or below it), and a spy proves both ran. The KV cache
+is filled with NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.model.llama as llama
+from engine import LLM, SamplingParams
+from engine.model.loader import _gguf_quantization_applies, load_model
+from engine.model.quant import DEFAULT_MAX_ROWS, QuantizedWeight
+
+TEXTS = ["The capital of France is",
+         "Once upon a time, in a land far away, there lived a kind old man who",
+         "1, 2, 3,",
+         "def fibonacci(n):",
+         "The three primary colours are",
+         "Water boils at"]
+MAX_TOKENS = [9, 3, 7, 5, 2, 6]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: two spin-waiting OpenMP threads slow down badly on this shared
+    2-core machine; restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(None, dtype=torch.float32, quantization="gguf")
+
+
+def hf_greedy(hf, ids: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        gen = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                                                         dtype=torch.long),
+                          max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return gen[0, len(ids):].tolist()
+
+
+def test_greedy_equals_transformers_on_both_paths(loaded, hf_default_model, monkeypatch):
+    assert loaded.quantization == "gguf"
+    assert isinstance(loaded.model.layers[0].gate_up_proj, QuantizedWeight)
+    assert loaded.model.lm_head.blocks.qtype == "Q8_0"
+    rows_seen = []
+    use_blocks = QuantizedWeight.use_blocks
+    monkeypatch.setattr(QuantizedWeight, "use_blocks",
+                        lambda self, x: rows_seen.append(x.shape[0]) or use_blocks(self, x))
+    calls = []
+    kernel = llama.quantized_linear
+    monkeypatch.setattr(llama, "quantized_linear", lambda x, b: calls.append(1) or kernel(x, b))
+
+    llm = LLM(model=loaded, kv_fill=float("nan"), num_kv_blocks=64)
+    prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, ids, n in zip(outs, prompts, MAX_TOKENS):
+        assert out.outputs[0].token_ids == hf_greedy(hf_default_model, ids, n)
+    assert calls and any(r <= DEFAULT_MAX_ROWS for r in rows_seen)
+    assert any(r > DEFAULT_MAX_ROWS for r in rows_seen), "the dense path never ran"
+    assert set(r for r in rows_seen if r <= DEFAULT_MAX_ROWS) >= {1, 4}
+
+
+def test_quantization_option_is_checked():
+    with pytest.raises(ValueError, match="quantization: expected one of"):
+        LLM(quantization="int4")
+    with pytest.raises(ValueError, match="quantization: 'gguf' needs dtype float32 or bfloat16"):
+        load_model(None, dtype=torch.float16, quantization="gguf")
+    assert _gguf_quantization_applies("auto", torch.bfloat16, "cpu")
+    assert not _gguf_quantization_applies("auto", torch.float16, "cpu")
+    assert not _gguf_quantization_applies("auto", torch.float32, "meta")
+    assert not _gguf_quantization_applies("none", torch.float32, "cpu")
+
+
+def test_gguf_quantization_of_a_hugging_face_directory_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="quantization: 'gguf' reads a .gguf model"):
+        load_model(str(tmp_path), quantization="gguf")
