@@ -172,6 +172,15 @@ def test_decode_mma_shared_memory_fits_every_head_size(monkeypatch) -> None:
         plan = ops._plan_decode_mma(problem, num_sms=1)
         assert plan.kernel == ops.KERNEL_DECODE_MMA and plan.grid == (8, 3, plan.num_splits)
         assert plan.smem_bytes <= 163 * 1024, (d, plan.smem_bytes)
+        assert plan.stages == (3 if d <= 128 else 2)
+    monkeypatch.setenv(ops.STAGES_ENV, "4")
+    for d, stages in [(64, 4), (128, 4), (256, 2)]:
+        problem = _problem(torch.bfloat16, (32, 8), None, head_size=d, block_size=1)
+        plan = ops._plan_decode_mma(problem, num_sms=1)
+        assert plan.stages == stages and plan.smem_bytes <= 163 * 1024, (d, plan)
+    monkeypatch.setenv(ops.STAGES_ENV, "5")
+    with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_STAGES: expected 2, 3 or 4"):
+        ops.mma_decode_stages(128)
 
 
 def test_cuda_backend_is_absent_without_a_gpu_and_imports_do_not_break() -> None:

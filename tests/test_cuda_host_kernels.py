@@ -105,6 +105,17 @@ def test_decode_kernels_head_and_block_sizes(monkeypatch, decode, head_size, blo
     check(case, torch.float16, sliding_window=70, soft_cap=4.0, alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("stages", ["2", "3", "4"])
+def test_decode_mma_ring_depths(monkeypatch, stages):
+    """The mma decode kernel with every K/V ring depth (PAGED_KERNELS_CUDA_DECODE_STAGES) on
+    partitions of up to 5 tiles, the last one partial."""
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_STAGES", stages)
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "320")
+    case = make_case([700, 129, 64, 2], None, heads=8, kv_heads=2, head_size=64, block_size=16,
+                     dtype=torch.bfloat16, seed=int(stages))
+    check(case, torch.bfloat16)
+
+
 def test_decode_group_tiles():
     """GQA groups of 3 and 16 heads: partial group tiles and several head chunks per KV head."""
     for heads, kv in [(6, 2), (16, 1)]:

@@ -33,3 +33,11 @@ __device__ __forceinline__ void pk_cp_async_wait() {
 }
 
 #endif  // !PK_HOST_EMULATION
+
+// pk_cp_async_wait<n>() for a run-time n in [0, 2] (wait_group takes an immediate); larger n
+// waits as for 2, which is stricter and so always safe.
+__device__ __forceinline__ void pk_cp_async_wait_upto2(int n) {
+  if (n <= 0) pk_cp_async_wait<0>();
+  else if (n == 1) pk_cp_async_wait<1>();
+  else pk_cp_async_wait<2>();
+}

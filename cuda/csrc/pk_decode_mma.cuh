@@ -7,7 +7,7 @@
 //   zeros), and one partition of `partition_size` keys of the visible context [ctx_start,
 //   seq_len), walked in tiles of BN = 64 keys; warp w owns keys 16w..16w+15 of every tile.
 //   Bytes moved: every K and V row of the partition once (cp.async, 16 bytes per copy, a ring of
-//   STAGES tiles so STAGES - 1 tiles are in flight while one is used), the 16 query rows once;
+//   p.stages (2-4) tiles so p.stages - 1 are in flight while one is used), the 16 query rows once;
 //   writes the group's output rows (T) + lse, or float32 partial rows with their max and sum for
 //   pk_decode_reduce_kernel (pk_decode.cuh) when num_splits > 1.
 //   Per tile and warp: S[16 x 16] = Q K^T and O[16 x HEAD_SIZE] += P V with mma.m16n8k16,
@@ -18,9 +18,10 @@
 //   >= seq_len is ever read: rows past the partition are zero-filled by cp.async without a load
 //   (cache slots past seq_len may hold NaN); block-table entries past ceil(seq_len / block_size)
 //   are never read; cache offsets are int64.
-//   Dynamic shared memory (ops.py `_decode_mma_smem` mirrors it): Q [16][DP], K and V rings
-//   [STAGES][BN][DP] (T, DP = HEAD_SIZE + 8: ldmatrix rows fall in distinct banks), then
-//   partition_size / block_size + 2 ints of block ids. The merge reuses the K/V rings.
+//   Dynamic shared memory (planned in ops.py `_plan_decode_mma`): Q [16][DP], K and V rings
+//   [stages][BN][DP] (T, DP = HEAD_SIZE + 8: ldmatrix rows fall in distinct banks), then
+//   partition_size / block_size + 2 ints of block ids. The merge reuses the K/V rings (they
+//   hold at least 2 tiles of K and V, more than the merge needs).
 #pragma once
 #include "pk_common.cuh"
 #include "pk_cp_async.cuh"
@@ -30,11 +31,7 @@
 constexpr int PK_DECODE_MMA_THREADS = 128;
 constexpr int PK_DECODE_MMA_ROWS = 16;  // query heads per block (the mma's M)
 constexpr int PK_DECODE_MMA_BN = 64;    // keys per tile: 16 per warp
-
-// Ring depth: 3 tiles up to head size 128 (about 100 KiB, two blocks per H100/H200 SM), else 2.
-__host__ __device__ constexpr int pk_decode_mma_stages(int head_size) {
-  return head_size <= 128 ? 3 : 2;
-}
+constexpr int PK_DECODE_MMA_MAX_STAGES = 4;
 
 // Where one block of the decode kernels works: its heads and its key range.
 struct PkDecodeRange {
@@ -88,7 +85,6 @@ template <typename T, int HEAD_SIZE>
 __global__ void __launch_bounds__(PK_DECODE_MMA_THREADS, 1)
 pk_decode_mma_kernel(const PkAttnParams p) {
   constexpr int D = HEAD_SIZE, DP = D + 8, BN = PK_DECODE_MMA_BN, M = PK_DECODE_MMA_ROWS;
-  constexpr int STAGES = pk_decode_mma_stages(D);
   constexpr int VEC = PkVec<T>::N, NVEC = D / VEC;
   constexpr int KS = D / 16;  // k-slices of Q K^T
   constexpr int DT = D / 8;   // n-tiles of O
@@ -96,9 +92,10 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   static_assert(D % 16 == 0, "the mma path needs head_size % 16 == 0");
   extern __shared__ float4 pk_smem4[];
   T* qs = reinterpret_cast<T*>(pk_smem4);  // [M][DP]
-  T* ks = qs + M * DP;                     // [STAGES][BN][DP]
-  T* vs = ks + STAGES * BN * DP;           // [STAGES][BN][DP]
-  int* s_blocks = reinterpret_cast<int*>(vs + STAGES * BN * DP);
+  const int stages = static_cast<int>(p.stages);  // 2..PK_DECODE_MMA_MAX_STAGES (ops.py)
+  T* ks = qs + M * DP;                     // [stages][BN][DP]
+  T* vs = ks + stages * BN * DP;           // [stages][BN][DP]
+  int* s_blocks = reinterpret_cast<int*>(vs + stages * BN * DP);
 
   const PkDecodeRange r = pk_decode_range(p, M);
   if (r.n == 0) {
@@ -157,8 +154,7 @@ pk_decode_mma_kernel(const PkAttnParams p) {
     }
     pk_cp_async_commit();
   };
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue_tile(s, s);
+  for (int s = 0; s < stages - 1; ++s) issue_tile(s, s);
 
   // This warp's Q fragments, for every k-slice (A operand of S = Q K^T).
   uint32_t qa[KS][4];
@@ -182,11 +178,10 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // m in base-2 units
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    pk_cp_async_wait<STAGES - 2>();  // this thread's copies of `tile` have landed
+  for (int tile = 0, stage = 0; tile < num_tiles; ++tile, stage = (stage + 1) % stages) {
+    pk_cp_async_wait_upto2(stages - 2);  // this thread's copies of `tile` have landed
     __syncthreads();  // everyone's have; and tile - 1's slot is no longer read by anyone
-    issue_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES);
-    const int stage = tile % STAGES;
+    issue_tile(tile + stages - 1, stage == 0 ? stages - 1 : stage - 1);
     const T* kt = ks + (stage * BN + warp * 16) * DP;
     const T* vt = vs + (stage * BN + warp * 16) * DP;
 

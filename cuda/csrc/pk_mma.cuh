@@ -1,7 +1,8 @@
 // pk_mma.cuh: the tensor-core product the varlen and decode kernels use, one warp-collective
-// function per operand type, and `ldmatrix`, which loads its operands from shared memory. On the GPU they are inline PTX `mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}
-// .{f16,bf16}.f32` (sm_80+); under PK_HOST_EMULATION this header defines nothing and the emulator
-// provides functions with the same names, signatures and fragment layout.
+// function per operand type, and `ldmatrix`, which loads its operands from shared memory. On the
+// GPU they are inline PTX `mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32`
+// (sm_80+) and `ldmatrix` (sm_75+); under PK_HOST_EMULATION this header defines only PkMma and
+// the emulator provides functions with the same names, signatures and fragment layouts.
 //
 //   D[16x8] (f32) = A[16x16] (row-major) * B[16x8] (column-major) + C[16x8] (f32)
 //

@@ -19,7 +19,9 @@
 namespace pk_host {
 
 inline void cp_async16(void* dst, const void* src, bool valid) {
-  if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || (valid && reinterpret_cast<uintptr_t>(src) % 16))
+  const bool misaligned = reinterpret_cast<uintptr_t>(dst) % 16 != 0 ||
+                          (valid && reinterpret_cast<uintptr_t>(src) % 16 != 0);
+  if (misaligned)
     fail("pk_cp_async16: source and destination must be 16-byte aligned");
   tls_thread->async_uncommitted.push_back(AsyncCopy{dst, valid ? src : nullptr});
   std::memset(dst, 0xff, 16);

@@ -59,10 +59,23 @@ PARTITION_ENV = "PAGED_KERNELS_CUDA_PARTITION"
 DECODE_ENV = "PAGED_KERNELS_CUDA_DECODE"
 DECODE_KERNELS = ("mma", "simt")
 MMA_DECODE_ROWS, MMA_DECODE_BN = 16, 64  # PK_DECODE_MMA_ROWS, PK_DECODE_MMA_BN
+#: Dynamic shared memory one block may have on every supported GPU (sm_80: 163 KiB).
+MAX_SMEM = 163 * 1024
+#: Forces the depth of the mma decode kernel's K/V ring (2 to 4 tiles; fewer where MAX_SMEM
+#: would be exceeded), for timing runs.
+STAGES_ENV = "PAGED_KERNELS_CUDA_DECODE_STAGES"
+MMA_DECODE_STAGES = (2, 3, 4)  # PK_DECODE_MMA_MAX_STAGES is the last
 
 
 def mma_decode_stages(head_size: int) -> int:
-    """Depth of the mma decode kernel's K/V ring (pk_decode_mma_stages in pk_decode_mma.cuh)."""
+    """Depth of the mma decode kernel's K/V ring: 3 tiles up to head size 128 (about 106 KiB of
+    shared memory at 128, two blocks per H100/H200 SM), else 2; `$PAGED_KERNELS_CUDA_DECODE_STAGES`
+    overrides it."""
+    forced = os.environ.get(STAGES_ENV)
+    if forced:
+        if forced not in {str(n) for n in MMA_DECODE_STAGES}:
+            raise ValueError(f"{STAGES_ENV}: expected 2, 3 or 4, got {forced!r}")
+        return int(forced)
     return 3 if head_size <= 128 else 2
 
 
@@ -158,6 +171,7 @@ class AttentionPlan:
     grid: tuple[int, int, int]
     smem_bytes: int
     reduce_grid: tuple[int, int]
+    stages: int = 0        # mma decode: depth of the K/V ring
 
 
 def _decode_partition(p: AttentionProblem, ctas: int, num_sms: int) -> tuple[int, int]:
@@ -188,7 +202,8 @@ def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     shapes it depends on: planning runs once per step shape, not once per layer)."""
     key = (p.is_decode, p.num_queries_per_kv, p.query.dtype, p.head_size, p.num_seqs,
            p.num_kv_heads, p.num_heads, p.num_tokens, p.block_tables.shape[1], p.block_size,
-           p.sliding_window, num_sms, os.environ.get(PARTITION_ENV), os.environ.get(DECODE_ENV))
+           p.sliding_window, num_sms, os.environ.get(PARTITION_ENV), os.environ.get(DECODE_ENV),
+           os.environ.get(STAGES_ENV))
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) > 4096:
@@ -204,12 +219,18 @@ def _plan_decode_mma(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     rows = min(p.num_queries_per_kv, MMA_DECODE_ROWS)
     chunks = math.ceil(p.num_queries_per_kv / MMA_DECODE_ROWS)
     size, splits = _decode_partition(p, p.num_seqs * p.num_kv_heads * chunks, num_sms)
-    pitch = p.head_size + 8
-    tiles = MMA_DECODE_ROWS * pitch + 2 * mma_decode_stages(p.head_size) * MMA_DECODE_BN * pitch
-    smem = p.query.element_size() * tiles + 4 * (size // p.block_size + 2)
+
+    def smem(stages: int) -> int:
+        pitch = p.head_size + 8
+        tiles = MMA_DECODE_ROWS * pitch + 2 * stages * MMA_DECODE_BN * pitch
+        return p.query.element_size() * tiles + 4 * (size // p.block_size + 2)
+
+    stages = mma_decode_stages(p.head_size)
+    while stages > MMA_DECODE_STAGES[0] and smem(stages) > MAX_SMEM:
+        stages -= 1  # a forced depth that does not fit
     return AttentionPlan(KERNEL_DECODE_MMA, MMA_DECODE_ROWS, rows, chunks, 1, splits, size,
-                         (p.num_kv_heads * chunks, p.num_seqs, splits), smem,
-                         (p.num_heads, p.num_seqs))
+                         (p.num_kv_heads * chunks, p.num_seqs, splits), smem(stages),
+                         (p.num_heads, p.num_seqs), stages)
 
 
 def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
@@ -314,7 +335,8 @@ def _attn_values(p: AttentionProblem, plan: AttentionPlan, q: torch.Tensor, k: t
         "num_head_chunks": plan.num_head_chunks, "num_splits": plan.num_splits,
         "partition_size": plan.partition_size, "sliding_window": p.sliding_window or 0,
         "dtype": DTYPE_CODES[p.query.dtype], "kernel": plan.kernel, "group_tile": plan.group_tile,
-        "q_tile_tokens": plan.q_tile_tokens, "grid_x": plan.grid[0], "grid_y": plan.grid[1],
+        "q_tile_tokens": plan.q_tile_tokens, "stages": plan.stages,
+        "grid_x": plan.grid[0], "grid_y": plan.grid[1],
         "grid_z": plan.grid[2], "threads": THREADS, "smem_bytes": plan.smem_bytes,
         "reduce_grid_x": plan.reduce_grid[0], "reduce_grid_y": plan.reduce_grid[1],
         "reduce_threads": THREADS, "scale": p.scale, "soft_cap": float(p.soft_cap or 0.0),

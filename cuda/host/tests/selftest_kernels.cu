@@ -344,8 +344,10 @@ const char* st_cp_async_ring(const void* src, const int* valid, void* out, int t
   const uint4* s = static_cast<const uint4*>(src);
   uint4* o = static_cast<uint4*>(out);
   const size_t smem = static_cast<size_t>(stages) * threads * 16;
-  if (stages == 2) PK_LAUNCH(selftest::cp_async_ring_kernel<2>, 1, threads, smem, 0, s, valid, o, tiles);
-  else if (stages == 3) PK_LAUNCH(selftest::cp_async_ring_kernel<3>, 1, threads, smem, 0, s, valid, o, tiles);
+  if (stages == 2)
+    PK_LAUNCH(selftest::cp_async_ring_kernel<2>, 1, threads, smem, 0, s, valid, o, tiles);
+  else if (stages == 3)
+    PK_LAUNCH(selftest::cp_async_ring_kernel<3>, 1, threads, smem, 0, s, valid, o, tiles);
   else return "st_cp_async_ring: stages must be 2 or 3";
   return launch_result(cudaSuccess);
 }
@@ -374,7 +376,8 @@ const char* st_faulty(const char* which, float* out, const float* x) {
   else if (w == "divergent_kinds") PK_LAUNCH(divergent_kinds_kernel, 1, 32, 0, 0, out);
   else if (w == "early_exit") PK_LAUNCH(early_exit_barrier_kernel, 1, 64, 0, 0, x, out);
   else if (w == "big_stack") PK_LAUNCH(big_stack_kernel, 2, 64, 0, 0, out);
-  else if (w == "cp_async_unwaited") PK_LAUNCH(selftest::cp_async_unwaited_kernel, 1, 32, 16, 0, x);
+  else if (w == "cp_async_unwaited")
+    PK_LAUNCH(selftest::cp_async_unwaited_kernel, 1, 32, 16, 0, x);
   else if (w == "too_many_threads") PK_LAUNCH(big_stack_kernel, 1, 2048, 0, 0, out);
   else return "st_faulty: unknown kernel";
   return launch_result(cudaSuccess);
