@@ -1,0 +1,155 @@
+"""The GGUF quantized matmul (engine/model/quant.py) against the dense oneDNN path, per projection
+of the default model (SmolLM2-135M-Instruct, Q4_1 projections and a Q8_0 output head), at a few
+token-row counts M. The blocks are the file's own (30 layers, fused as the model fuses them);
+the dense weights are packed bf16 (or float32) of the same shapes. Every call reads its weights
+from memory, as in a decode step: each timed sweep runs the 30 layers' weights in turn (the
+head, ~30 MB quantized, is swept twice per measurement). Quantized and dense sweeps alternate, so
+both see the same machine load. No speed assertion (docs/quant.md).
+
+    python -m bench.test_bench_quant --threads 2 --out bench/results/quant_linear.json
+    python -m pytest bench/test_bench_quant.py -q -s     # the same table, M in 1 2 4 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from engine.model.gguf_reader import gguf_blocks, gguf_config, gguf_metadata, open_gguf
+from engine.model.llama import fused_parts
+from engine.model.loader import default_model_path
+from engine.model.quant import GGUFBlocks, quantized_linear
+
+#: projection -> how many distinct weights a sweep cycles through (head: one, swept twice).
+SHAPES = ["qkv_proj", "gate_up_proj", "down_proj", "o_proj", "lm_head"]
+
+
+def model_blocks() -> tuple[dict[str, list[GGUFBlocks]], Any]:
+    """The default GGUF's blocks per projection: one GGUFBlocks per layer (the head: one)."""
+    reader = open_gguf(default_model_path())
+    config = gguf_config(gguf_metadata(reader), {t.name for t in reader.tensors})
+    by_name = dict(gguf_blocks(reader, config))
+    out: dict[str, list[GGUFBlocks]] = {}
+    for fused, parts in fused_parts().items():
+        out[fused] = [GGUFBlocks.concat([by_name[f"model.layers.{i}.{p}.weight"] for p in parts])
+                      for i in range(config.num_hidden_layers)]
+    out["lm_head"] = [by_name["model.embed_tokens.weight"]]
+    return out, config
+
+
+def dense_weight(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A random weight of `shape`, packed for oneDNN as the model packs its weights."""
+    w = torch.randn(shape).to(dtype)
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, 16)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return w
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return torch.nn.functional.linear(x, w)
+
+
+def sweep_seconds(fn: Callable[[int], Any], count: int) -> float:
+    """Seconds per call of `fn(i)` for i in 0..count-1 (one sweep)."""
+    start = time.perf_counter()
+    for i in range(count):
+        fn(i)
+    return (time.perf_counter() - start) / count
+
+
+def measure(name: str, blocks: list[GGUFBlocks], m: int, dtype: torch.dtype,
+            repeat: int) -> dict[str, Any]:
+    """One row of the table: quantized vs dense at `m` rows for projection `name`."""
+    rows, cols = blocks[0].shape
+    dense = [dense_weight((rows, cols), dtype) for _ in blocks]
+    x = torch.randn(m, cols).to(dtype)
+    count = len(blocks) * (2 if len(blocks) == 1 else 1)
+    runs: dict[str, list[float]] = {"quant": [], "dense": []}
+    quant_fn = lambda i: quantized_linear(x, blocks[i % len(blocks)])  # noqa: E731
+    dense_fn = lambda i: dense_linear(x, dense[i % len(dense)])  # noqa: E731
+    sweep_seconds(quant_fn, count), sweep_seconds(dense_fn, count)  # warm-up
+    for _ in range(repeat):
+        runs["quant"].append(sweep_seconds(quant_fn, count))
+        runs["dense"].append(sweep_seconds(dense_fn, count))
+    quant_bytes = blocks[0].data.numel()
+    dense_bytes = rows * cols * torch.finfo(dtype).bits // 8
+    q, d = statistics.median(runs["quant"]), statistics.median(runs["dense"])
+    return {"projection": name, "qtype": blocks[0].qtype, "rows": rows, "cols": cols, "M": m,
+            "quant_us": q * 1e6, "quant_us_min": min(runs["quant"]) * 1e6,
+            "quant_GBps": quant_bytes / q / 1e9, "dense_us": d * 1e6,
+            "dense_us_min": min(runs["dense"]) * 1e6, "dense_GBps": dense_bytes / d / 1e9,
+            "dense_over_quant": d / q}
+
+
+def run(ms: list[int], threads: int, dtype: torch.dtype, repeat: int) -> list[dict[str, Any]]:
+    """Every (projection, M) row, printed as a markdown table while measured."""
+    blocks, _ = model_blocks()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    print(f"\nthreads {threads}, activations {str(dtype).replace('torch.', '')}, median of "
+          f"{repeat} sweeps (us per call)")
+    print("| projection | N x K | M | quant us | quant GB/s | dense us | dense GB/s | "
+          "dense/quant |\n|---|---|---|---|---|---|---|---|")
+    rows = []
+    try:
+        for name in SHAPES:
+            for m in ms:
+                r = measure(name, blocks[name], m, dtype, repeat)
+                rows.append(r)
+                print(f"| {name} ({r['qtype']}) | {r['rows']} x {r['cols']} | {m} | "
+                      f"{r['quant_us']:.1f} | {r['quant_GBps']:.1f} | {r['dense_us']:.1f} | "
+                      f"{r['dense_GBps']:.1f} | {r['dense_over_quant']:.2f} |", flush=True)
+    finally:
+        torch.set_num_threads(before)
+    return rows
+
+
+def per_token_ms(rows: list[dict[str, Any]], layers: int = 30) -> dict[int, dict[str, float]]:
+    """Per M: the matmul time of one decode step (30 layers' projections + the head), each
+    path, in ms."""
+    out: dict[int, dict[str, float]] = {}
+    for r in rows:
+        k = 1 if r["projection"] == "lm_head" else layers
+        t = out.setdefault(r["M"], {"quant_ms": 0.0, "dense_ms": 0.0})
+        t["quant_ms"] += k * r["quant_us"] / 1e3
+        t["dense_ms"] += k * r["dense_us"] / 1e3
+    return out
+
+
+def test_quant_vs_dense() -> None:
+    rows = run([1, 2, 4, 8, 16], torch.get_num_threads(), torch.bfloat16, repeat=3)
+    for m, t in per_token_ms(rows).items():
+        print(f"M={m}: step matmuls quant {t['quant_ms']:.2f} ms, dense {t['dense_ms']:.2f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 16])
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--out", default=None, help="write the rows and per-step totals as JSON")
+    args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
+    rows = run(args.m, args.threads, dtype, args.repeat)
+    steps = per_token_ms(rows)
+    print("\n| M | step matmuls quant ms | dense ms |\n|---|---|---|")
+    for m, t in steps.items():
+        print(f"| {m} | {t['quant_ms']:.2f} | {t['dense_ms']:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"threads": args.threads, "dtype": args.dtype, "repeat": args.repeat,
+                       "rows": rows, "per_step": {str(m): t for m, t in steps.items()},
+                       "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
