@@ -45,6 +45,11 @@ namespace {
 constexpr int QK = 32;        // weights per block
 constexpr int M_TILE = 8;     // activation rows per weight sweep
 constexpr int ROW_TILE = 16;  // output features per OpenMP work item
+#if defined(QM_BF16)
+constexpr bool BF16_DOT = true;  // this build has q4_1_feature_bf16
+#else
+constexpr bool BF16_DOT = false;
+#endif
 
 // --- float16 -> float32 (portable; exact for every f16 value) -----------------------------------
 
@@ -121,9 +126,15 @@ struct Problem {
   const uint16_t* xb;   // [M, K] bfloat16 bits when x is bf16 (the bf16 dot path), else null
   const float* sx;      // [M, K/32] block sums of x, pairs {0, sum} (the bf16 dot path), else null
   const uint8_t* w;     // [N, row_bytes]
-  float* y;             // [M, N] float32 (converted by the caller when out is bf16)
+  float* y;             // [M, N] float32 output, or null when the output is bf16
+  at::BFloat16* yb;     // [M, N] bfloat16 output (rounded to nearest even, as torch rounds)
   int64_t M, N, K, row_bytes;
 };
+
+inline void store(const Problem& p, int64_t m, int64_t n, float v) {
+  if (p.y != nullptr) p.y[m * p.N + n] = v;
+  else p.yb[m * p.N + n] = at::BFloat16(v);
+}
 
 #if defined(QM_SIMD)
 // Feature n x MT rows m0..: two accumulators per row (the w0 and w1 halves of a block). Unrolling
@@ -146,7 +157,7 @@ inline void feature_simd(const Problem& p, int64_t n, int64_t m0) {
     }
   }
   for (int i = 0; i < MT; ++i)
-    p.y[(m0 + i) * p.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+    store(p, m0 + i, n, _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])));
 }
 #endif
 
@@ -192,8 +203,7 @@ inline void q4_1_feature_bf16(const Problem& p, int64_t n, int64_t m0) {
     }
   }
   for (int i = 0; i < MT; ++i)
-    p.y[(m0 + i) * p.N + n] =
-        _mm512_reduce_add_ps(acc[i]) + _mm_cvtss_f32(_mm_movehdup_ps(accm[i]));
+    store(p, m0 + i, n, _mm512_reduce_add_ps(acc[i]) + _mm_cvtss_f32(_mm_movehdup_ps(accm[i])));
 }
 #endif
 
@@ -211,7 +221,7 @@ void features_portable(const Problem& p, int64_t n, int64_t m0, int64_t mt) {
   for (int64_t i = 0; i < mt; ++i) {
     float s = 0.f;
     for (int j = 0; j < QK; ++j) s += acc[i][j];
-    p.y[(m0 + i) * p.N + n] = s;
+    store(p, m0 + i, n, s);
   }
 }
 
@@ -275,37 +285,35 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, const std
   TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte &&
                   blocks.size(1) == x.size(1) / QK * bytes,
               "blocks: expected contiguous uint8 [N, K/32 * ", bytes, "]");
-  const bool f32_out = x.scalar_type() == at::kFloat;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  at::Tensor xf = x, sx;  // keep the widened copy and the block sums alive for the call
-  const uint16_t* xb = nullptr;
-#if defined(QM_BF16)
-  if (!f32_out && q4) {  // the bf16 dot path reads x as it is, plus its block sums
-    xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    sx = at::zeros({M, nb, 2}, x.options().dtype(at::kFloat));
-    float* s = sx.data_ptr<float>();
+  at::Tensor y = at::empty({M, blocks.size(0)}, x.options());
+  std::vector<float> xf, sx;  // bf16 x widened (float32 path) or its block sums (bf16 dot path)
+  Problem p{nullptr, nullptr, nullptr, blocks.data_ptr<uint8_t>(),
+            bf16 ? nullptr : y.data_ptr<float>(),
+            bf16 ? y.data_ptr<at::BFloat16>() : nullptr, M, blocks.size(0), K, blocks.size(1)};
+  if (!bf16) {
+    p.x = x.data_ptr<float>();
+  } else if (q4 && BF16_DOT) {
+    p.xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    sx.assign(M * nb * 2, 0.f);
     for (int64_t i = 0; i < M * nb; ++i) {
       float sum = 0.f;
-      for (int j = 0; j < QK; ++j) {
-        const uint32_t bits = static_cast<uint32_t>(xb[i * QK + j]) << 16;
-        float v;
-        std::memcpy(&v, &bits, 4);
-        sum += v;
-      }
-      s[2 * i + 1] = sum;
+      for (int j = 0; j < QK; ++j) sum += static_cast<float>(x.data_ptr<at::BFloat16>()[i * QK + j]);
+      sx[2 * i + 1] = sum;
     }
+    p.sx = sx.data();
+  } else {
+    const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+    xf.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(src[i]);  // exact
+    p.x = xf.data();
   }
-#endif
-  if (xb == nullptr && !f32_out) xf = x.to(at::kFloat);  // exact widening
-  at::Tensor y = at::empty({M, blocks.size(0)}, x.options().dtype(at::kFloat));
-  Problem p{xb == nullptr ? xf.data_ptr<float>() : nullptr, xb,
-            sx.defined() ? sx.data_ptr<float>() : nullptr, blocks.data_ptr<uint8_t>(),
-            y.data_ptr<float>(), M, blocks.size(0), K, blocks.size(1)};
   if (p.M > 0 && p.N > 0) {
     if (q4) run<Q4_1>(p, threads);
     else run<Q8_0>(p, threads);
   }
-  return f32_out ? y : y.to(x.scalar_type());  // round to nearest even, as torch rounds
+  return y;
 }
 
 // The code paths this build has: "avx512" (+ "bf16-dot") or "portable".

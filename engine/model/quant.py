@@ -77,13 +77,20 @@ def quantized_linear(x: torch.Tensor, blocks: GGUFBlocks) -> torch.Tensor:
     the blocks (float32 dequantisation and accumulation); returns `[M, rows]` in x's dtype, with
     bfloat16 rounded to nearest even once at the end. Runs on torch's thread count; the result
     does not depend on it."""
+    if x.dim() != 2 or x.shape[1] != blocks.cols or x.dtype not in _X_DTYPES or not x.is_cpu:
+        raise _bad_x(x, blocks)  # one combined test: this runs ~120 times per decode step
+    ext = _extension if _extension is not None else _kernel()
+    return ext.quant_matmul(x.contiguous(), blocks.data, blocks.qtype, torch.get_num_threads())
+
+
+_X_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _bad_x(x: torch.Tensor, blocks: GGUFBlocks) -> ValueError:
     if x.dim() != 2 or x.shape[1] != blocks.cols:
-        raise ValueError(f"x: expected a [M, {blocks.cols}] tensor, got {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
-        raise ValueError(f"x: expected a float32 or bfloat16 CPU tensor, got {x.dtype} on "
-                         f"{x.device}")
-    return _kernel().quant_matmul(x.contiguous(), blocks.data, blocks.qtype,
-                                  torch.get_num_threads())
+        return ValueError(f"x: expected a [M, {blocks.cols}] tensor, got {tuple(x.shape)}")
+    return ValueError(f"x: expected a float32 or bfloat16 CPU tensor, got {x.dtype} on "
+                      f"{x.device}")
 
 
 class QuantizedWeight:
