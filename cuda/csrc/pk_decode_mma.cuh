@@ -156,13 +156,17 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   };
   for (int s = 0; s < stages - 1; ++s) issue_tile(s, s);
 
-  // This warp's Q fragments, for every k-slice (A operand of S = Q K^T).
-  uint32_t qa[KS][4];
-  {
+  // The Q fragments (A operand of S = Q K^T) of k-slice kk. Up to head size 128 every slice
+  // stays in registers; above it they are reloaded per tile (they would cost 64 registers).
+  constexpr bool Q_IN_REGS = D <= 128;
+  auto load_q = [&](int kk, uint32_t (&frag)[4]) {
     const int i = lane / 8, rr = lane % 8;
+    pk_ldmatrix_x4(frag, qs + (rr + 8 * (i & 1)) * DP + kk * 16 + 8 * (i >> 1));
+  };
+  uint32_t qa[Q_IN_REGS ? KS : 1][4];
+  if constexpr (Q_IN_REGS) {
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
-      pk_ldmatrix_x4(qa[kk], qs + (rr + 8 * (i & 1)) * DP + kk * 16 + 8 * (i >> 1));
+    for (int kk = 0; kk < KS; ++kk) load_q(kk, qa[kk]);
   }
   const float scale = static_cast<float>(p.scale), soft_cap = static_cast<float>(p.soft_cap);
   float slope[2];
@@ -191,10 +195,12 @@ pk_decode_mma_kernel(const PkAttnParams p) {
       const int i = lane / 8, rr = lane % 8;
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
+        if constexpr (!Q_IN_REGS) load_q(kk, qa[0]);
+        const uint32_t* a = qa[Q_IN_REGS ? kk : 0];
         uint32_t b[4];  // b[0..1]: keys 0-7, b[2..3]: keys 8-15
         pk_ldmatrix_x4(b, kt + (rr + 8 * (i >> 1)) * DP + kk * 16 + 8 * (i & 1));
-        PkMma<T>::run(s[0], qa[kk], b, s[0]);
-        PkMma<T>::run(s[1], qa[kk], b + 2, s[1]);
+        PkMma<T>::run(s[0], a, b, s[0]);
+        PkMma<T>::run(s[1], a, b + 2, s[1]);
       }
     }
 

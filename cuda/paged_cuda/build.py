@@ -213,10 +213,12 @@ def _write_ninja(build_dir: Path, nvcc: str, nvcc_flags: Sequence[str], host_cmd
         f"  command = {e(nvcc)} -shared -Xcompiler -fPIC $in -o $out",
         "  description = link $out",
     ]
+    # Every object depends on every header (implicit inputs), so an edited header rebuilds them.
+    headers = " ".join(e(str(h)) for h in sorted([*CSRC_DIR.glob("*.cuh"), *CSRC_DIR.glob("*.h")]))
     for src, obj in zip(sources(), objs):
-        lines.append(f"build {e(str(obj))}: nvcc {e(str(src))}")
+        lines.append(f"build {e(str(obj))}: nvcc {e(str(src))} | {headers}")
     bind_obj = build_dir / "bindings.o"
-    lines.append(f"build {e(str(bind_obj))}: host {e(str(CSRC_DIR / 'bindings.cpp'))}")
+    lines.append(f"build {e(str(bind_obj))}: host {e(str(CSRC_DIR / 'bindings.cpp'))} | {headers}")
     lines.append(f"build {e(str(output))}: link " + " ".join(e(str(o)) for o in [*objs, bind_obj]))
     (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
 
