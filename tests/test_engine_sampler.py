@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingState, sampling_probs
+from engine.sampler import Sampler, SamplingState, argmax, sampling_probs
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
 EOS = 3
@@ -229,3 +229,15 @@ def test_seeded_request_is_reproducible_alone_and_in_a_batch():
 def test_wrong_logits_shape_is_an_error():
     with pytest.raises(ValueError, match="^logits:"):
         Sampler().sample(torch.zeros(2, 5), [state(SamplingParams())])
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 2047, 2048, 3000, 4096, 49152])
+def test_argmax_is_torchs_first_maximum(vocab: int) -> None:
+    """The two-level argmax picks torch's index (the first maximum), ties and -inf included."""
+    gen = torch.Generator().manual_seed(vocab)
+    few_values = torch.randint(-3, 3, (6, vocab), generator=gen).float()  # many ties
+    spread = torch.randn(6, vocab, generator=gen)
+    spread[0] = float("-inf")
+    spread[1, -1] = 100.0  # the maximum in a short last chunk
+    for x in (few_values, spread):
+        assert torch.equal(argmax(x), x.argmax(dim=-1))

@@ -4,10 +4,11 @@ RMSNorm, rotary embeddings (rotate-half convention, as Hugging Face's Llama), gr
 attention through `paged_kernels.attention`, SwiGLU MLP, tied or separate output embedding.
 
 For speed on a CPU the projections are fused (one `qkv_proj` and one `gate_up_proj` matmul per
-layer) and, once loaded, packed in oneDNN's layout (`pack_weights`); rotary cos/sin are gathered
-once per forward and shared by every layer, and the forward never synchronises (no `.item()`);
-the attention metadata is built once per step by the caller and checked once per forward
-(`paged_kernels.attention.plan`), then each layer runs the plan on its own caches.
+layer) and, once loaded, packed in oneDNN's layout (`pack_weights`); the element-wise ops
+(RMSNorm fused with the previous residual add, rotary in place from the float32 tables, SiLU * up)
+are one fused call each on CPU tensors (`layer_ops`); the forward never synchronises (no
+`.item()`); the attention metadata is built once per step by the caller and checked once per
+forward (`paged_kernels.attention.plan`), then each layer runs the plan on its own caches.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import layer_ops
 from engine.model.metadata import AttentionMetadata
 from engine.model.quant import QuantizedWeight, quantized_linear
 from paged_kernels.attention import AttentionPlan, plan
@@ -125,12 +127,8 @@ def _pack(module: nn.Module, name: str) -> bool:
     return True
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's `x * cos + rotate_half(x) * sin` for `x` `[T, heads, D]`, with cos and
-    the signed sin of `_rotary_tables` `[T, 1, D]` (rotate_half's negation moved into sin)."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + swapped * sin
+#: The step's positions (int64 `[T]`) and the float32 cos / signed sin tables of `_rotary_tables`.
+Rotary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -156,26 +154,32 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = param(2 * config.intermediate_size, h)
         self.down_proj = param(h, config.intermediate_size)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, attn: AttentionPlan) -> torch.Tensor:
-        """Returns the block's output `[T, hidden_size]` (residual included); writes this step's
-        K/V to `kv_cache` at the plan's slots."""
-        x = F.rms_norm(hidden, hidden.shape[-1:], self.input_layernorm, self.eps)
-        hidden = hidden + self._attention(x, cos, sin, kv_cache, attn)
-        x = F.rms_norm(hidden, hidden.shape[-1:], self.post_attention_layernorm, self.eps)
-        gate, up = _linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return hidden + _linear(F.silu(gate) * up, self.down_proj)
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rotary: Rotary,
+                kv_cache: KVCache, attn: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden` `[T, hidden_size]` is the previous block's output before its residual add,
+        `residual` the residual stream (None for the first block, whose `hidden` is the
+        embeddings). Returns `(output, residual)` the same way (the residual is updated in
+        place, so each add is fused with the next norm); writes this step's K/V to `kv_cache`
+        at the plan's slots."""
+        if residual is None:
+            residual = hidden
+            x = layer_ops.rms_norm(hidden, self.input_layernorm, self.eps)
+        else:
+            x = layer_ops.add_rms_norm_(residual, hidden, self.input_layernorm, self.eps)
+        x = layer_ops.add_rms_norm_(residual, self._attention(x, rotary, kv_cache, attn),
+                                    self.post_attention_layernorm, self.eps)
+        gate_up = _linear(x, self.gate_up_proj)
+        return _linear(layer_ops.silu_mul(gate_up), self.down_proj), residual
 
-    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   kv_cache: KVCache, attn: AttentionPlan) -> torch.Tensor:
-        num_tokens = x.shape[0]
+    def _attention(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
+                   attn: AttentionPlan) -> torch.Tensor:
+        num_tokens, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = _linear(x, self.qkv_proj).view(num_tokens, -1, self.head_dim)
-        qk = _apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
+        layer_ops.rotary_(qkv, nh + nkv, *rotary)  # q and k, in place (qkv is ours)
         # strided row views: write_kv honours any strides with a contiguous last dimension
         k_cache, v_cache = kv_cache
-        attn.write_kv(qk[:, self.num_heads:], qkv[:, self.num_heads + self.num_kv_heads:],
-                      k_cache, v_cache)
-        out = attn.run(qk[:, :self.num_heads], k_cache, v_cache)
+        attn.write_kv(qkv[:, nh:nh + nkv], qkv[:, nh + nkv:], k_cache, v_cache)
+        out = attn.run(qkv[:, :nh], k_cache, v_cache)
         return _linear(out.reshape(num_tokens, -1), self.o_proj)
 
 
@@ -215,13 +219,13 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} (key, value) pairs, one "
                              f"per layer, got {len(kv_caches)}")
-        cos = self.rotary_cos[positions].to(self.dtype)[:, None, :]
-        sin = self.rotary_sin[positions].to(self.dtype)[:, None, :]
+        rotary = (positions, self.rotary_cos, self.rotary_sin)
         attn = self.plan_attention(meta, input_ids.shape[0], kv_caches[0][0])
         hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, attn)
-        return F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.config.rms_norm_eps)
+            hidden, residual = layer(hidden, residual, rotary, kv_cache, attn)
+        return layer_ops.add_rms_norm_(residual, hidden, self.norm, self.config.rms_norm_eps)
 
     def plan_attention(self, meta: AttentionMetadata, num_tokens: int,
                        key_cache: torch.Tensor) -> AttentionPlan:
