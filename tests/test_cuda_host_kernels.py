@@ -116,6 +116,31 @@ def test_decode_mma_ring_depths(monkeypatch, stages):
     check(case, torch.bfloat16)
 
 
+@pytest.mark.parametrize("decode", ["mma", "simt"])
+def test_decode_cache_offsets_past_int32(monkeypatch, decode):
+    """A cache whose block stride puts block 2 at element 2^32 + 2048: offsets computed in 32
+    bits would wrap to the wrong rows. The storage is allocated but only the three blocks are
+    touched (untouched pages are never committed); slots past seq_len are NaN."""
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE", decode)
+    kv, bs, d, seq_len = 2, 16, 64, 27
+    stride = 2 ** 31 + 1024
+    g = torch.Generator().manual_seed(11)
+    views, dense = [], []
+    for _ in range(2):  # K, V
+        storage = torch.empty(2 * stride + kv * bs * d, dtype=torch.bfloat16)
+        view = storage.as_strided((3, kv, bs, d), (stride, bs * d, d, 1))
+        data = torch.randn(3, kv, bs, d, generator=g).to(torch.bfloat16)
+        data[1, :, seq_len - bs:] = math.nan  # block 1 holds positions 16..31
+        view.copy_(data)
+        views.append(view)
+        dense.append(torch.cat([data[2], data[1]], dim=1)[:, :seq_len].transpose(0, 1))
+    q = torch.randn(1, 8, d, generator=g).to(torch.bfloat16)
+    out = pk.paged_attention(q, views[0], views[1], torch.tensor([[2, 1]], dtype=torch.int32),
+                             torch.tensor([seq_len], dtype=torch.int32), backend=BACKEND)
+    want, _ = attention_oracle(q, [dense[0]], [dense[1]], [1])
+    assert rel_error(out, want) <= TOL[torch.bfloat16]
+
+
 def test_decode_group_tiles():
     """GQA groups of 3 and 16 heads: partial group tiles and several head chunks per KV head."""
     for heads, kv in [(6, 2), (16, 1)]:
