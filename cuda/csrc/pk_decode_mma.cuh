@@ -157,7 +157,8 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   for (int s = 0; s < stages - 1; ++s) issue_tile(s, s);
 
   // The Q fragments (A operand of S = Q K^T) of k-slice kk. Up to head size 128 every slice
-  // stays in registers; above it they are reloaded per tile (they would cost 64 registers).
+  // stays in registers; above it they are reloaded per tile (keeping them would cost 48-64 more
+  // registers per thread, about 250 in all at head size 256).
   constexpr bool Q_IN_REGS = D <= 128;
   auto load_q = [&](int kk, uint32_t (&frag)[4]) {
     const int i = lane / 8, rr = lane % 8;
