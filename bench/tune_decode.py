@@ -121,16 +121,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tune_decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", default=VARIANTS)
+    parser.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES],
+                        help="decode shapes as BATCHxCONTEXT (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="JSON file for every row")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA device (decode launch choices only matter on a GPU)")
     for text in args.variants:
         parse_variant(text)  # fail before any timing
+    try:
+        shapes = [tuple(int(n) for n in text.lower().split("x")) for text in args.shapes]
+    except ValueError:
+        parser.error(f"--shapes: expected BATCHxCONTEXT items, got {args.shapes}")
+    if any(len(s) != 2 or min(s) < 1 for s in shapes):
+        parser.error(f"--shapes: expected BATCHxCONTEXT with positive sizes, got {args.shapes}")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device (decode launch choices only matter on a GPU)")
     print(f"{'variant':<44} {'batch':>5} {'ctx':>6} {'graph us':>9} {'%copy':>6} "
           f"{'xSDPA':>6} {'err':>8}", flush=True)
-    rows = run(args.variants, SHAPES, args.repeat)
+    rows = run(args.variants, shapes, args.repeat)
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=1))
     return 0

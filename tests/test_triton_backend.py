@@ -133,13 +133,27 @@ def test_split_plan_covers_context(clean_split) -> None:
 
 
 def test_split_heuristic_fills_the_device(clean_split) -> None:
-    """Few (sequence, KV head) pairs and a long context: several splits; a batch that already
+    """Few (sequence, KV head) pairs and a long context: the shortest splits; a batch that already
     has many programs per SM or a short context: one split."""
     sms = runtime.num_sms(0)
-    few = decode.plan_splits(_problem(1, 1, 1024), 64)[1]
-    assert few == min(decode.PROGRAMS_PER_SM * sms, 1024 * 16 // decode.MIN_SPLIT_TOKENS)
+    assert decode.plan_splits(_problem(1, 1, 1024), 64)[1] > 1
     assert decode.plan_splits(_problem(decode.PROGRAMS_PER_SM * sms, 1, 1024), 64)[1] == 1
     assert decode.plan_splits(_problem(1, 1, 8), 64)[1] == 1  # 128 keys < MIN_SPLIT_TOKENS
+
+
+@pytest.mark.parametrize("num_seqs,kv_heads,blocks", [(32, 8, 256), (128, 8, 256), (32, 8, 1024),
+                                                      (1, 8, 1024), (3, 2, 100), (7, 1, 4096)])
+def test_split_heuristic_takes_the_longest_split_that_fills_the_device(
+        clean_split, num_seqs: int, kv_heads: int, blocks: int) -> None:
+    """The split is MIN_SPLIT_TOKENS * 2^k keys: the longest whose grid still reaches
+    PROGRAMS_PER_SM programs per SM (the shortest when none does)."""
+    context, programs = blocks * 16, num_seqs * kv_heads
+    wanted = decode.PROGRAMS_PER_SM * runtime.num_sms(0)
+    size, count = decode.plan_splits(_problem(num_seqs, kv_heads, blocks), 64)
+    k = size // decode.MIN_SPLIT_TOKENS
+    assert size % decode.MIN_SPLIT_TOKENS == 0 and k & (k - 1) == 0
+    assert programs * count >= wanted or size == decode.MIN_SPLIT_TOKENS
+    assert size >= context or programs * -(-context // (2 * size)) < wanted
 
 
 def test_split_window_bounds_context(clean_split) -> None:

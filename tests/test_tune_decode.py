@@ -34,3 +34,10 @@ def test_applied_sets_and_restores_settings(monkeypatch):
         assert os.environ["PAGED_KERNELS_TUNE_PROBE"] == "7"
     assert decode.PROGRAMS_PER_SM == before
     assert "PAGED_KERNELS_TUNE_PROBE" not in os.environ
+
+
+@pytest.mark.parametrize("shapes", [["3x"], ["0x4096"], ["32-4096"]])
+def test_bad_shapes_are_refused_before_any_timing(shapes, capsys):
+    with pytest.raises(SystemExit):
+        tune_decode.main(["--shapes", *shapes])
+    assert "--shapes" in capsys.readouterr().err

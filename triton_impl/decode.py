@@ -23,8 +23,8 @@ Two kernels (docs/triton.md):
 The number of splits: a fixed split size if one is forced (`set_fixed_split_size` or the
 environment variable PAGED_KERNELS_TRITON_SPLIT_SIZE) -- then the splits of a sequence depend only
 on its own length and results are bitwise identical however it is batched --, else a heuristic
-that aims at PROGRAMS_PER_SM programs per SM with splits of at least MIN_SPLIT_TOKENS keys. The
-heuristic takes the block table's capacity as the context length, since reading seq_lens would
+that takes the longest split of MIN_SPLIT_TOKENS * 2^k keys that still gives the grid at least
+PROGRAMS_PER_SM programs per SM (or the shortest split when none does). The heuristic takes the block table's capacity as the context length, since reading seq_lens would
 synchronise with the device: size block tables to the batch's longest sequence.
 """
 
@@ -42,11 +42,14 @@ from triton_impl import configs, runtime
 from triton_impl.attend import LN2, LOG2E, attend_keys, finish
 
 SPLIT_SIZE_ENV = "PAGED_KERNELS_TRITON_SPLIT_SIZE"
-#: Programs per SM the split heuristic aims at. About 4 decode programs fit on an SM at once
-#: (registers and shared memory of the bf16 head-128 kernel on sm_90), so this is about 4 waves:
-#: enough that the last, partly filled wave costs little, while the partials stay ~2% of the K/V.
-PROGRAMS_PER_SM = 16
-#: The heuristic never makes a split shorter than this many keys.
+#: The fewest programs per SM the split heuristic accepts before it shortens the splits. About 4
+#: decode programs are resident per SM (bf16, head size 128, sm_90), so 7 is just under two full
+#: waves. Measured on an H200 (bench/results/2026-11-30-h200-decode-tuning): at batch 32 x
+#: context 4096, 4 even splits of 1024 keys (7.8 programs per SM) ran 139.9 us against 146.6 us
+#: for 8 splits of 512 and 153-160 us for 5 or 3 uneven ones (partial waves).
+PROGRAMS_PER_SM = 7
+#: The shortest split; splits are this many keys times a power of two (even splits of the
+#: power-of-two contexts that are common, and few distinct plans).
 MIN_SPLIT_TOKENS = 256
 
 _fixed_split_size: Optional[int] = None
@@ -96,11 +99,20 @@ def plan_splits(p: AttentionProblem, tile_n: int) -> tuple[int, int]:
     if forced is not None:
         split_size = _round_up(forced, tile_n)
     else:
-        programs = max(p.num_seqs * p.num_kv_heads, 1)
-        wanted = -(-PROGRAMS_PER_SM * runtime.sm_count_for(p.query) // programs)
-        most = max(1, context // MIN_SPLIT_TOKENS)
-        split_size = _round_up(-(-context // max(1, min(wanted, most))), tile_n)
+        split_size = _round_up(_heuristic_split(p, context), tile_n)
     return split_size, -(-context // split_size)
+
+
+def _heuristic_split(p: AttentionProblem, context: int) -> int:
+    """The longest split of MIN_SPLIT_TOKENS * 2^k keys whose grid still has PROGRAMS_PER_SM
+    programs per SM; MIN_SPLIT_TOKENS when even that grid has fewer; never longer than needed
+    for one split."""
+    programs = max(p.num_seqs * p.num_kv_heads, 1)
+    wanted = PROGRAMS_PER_SM * runtime.sm_count_for(p.query)
+    split = MIN_SPLIT_TOKENS
+    while split < context and programs * -(-context // (2 * split)) >= wanted:
+        split *= 2
+    return split
 
 
 @triton.jit
