@@ -13,15 +13,14 @@ schedules (PK_HOST_SCHEDULE) and the outputs must be equal to the bit.
 from __future__ import annotations
 
 import math
-from typing import Optional
-
-import pytest
-import torch
 
 import paged_case
-import paged_kernels as pk
+import pytest
+import torch
 from oracle import attention_oracle, rel_error
 from paged_case import PagedCase
+
+import paged_kernels as pk
 from paged_kernels.abi import check_attention_args
 
 BACKEND = "cuda-host"
@@ -36,7 +35,7 @@ def _available():
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
-def make_case(seq_lens: list[int], q_lens: Optional[list[int]], *, heads: int, kv_heads: int,
+def make_case(seq_lens: list[int], q_lens: list[int] | None, *, heads: int, kv_heads: int,
               strided: bool = False, **kwargs) -> PagedCase:
     """A tests/paged_case.py case whose block-table entries past a sequence's blocks point at a
     NaN block, so reading one would show in the result; `strided` stores the cache NHD."""
@@ -44,7 +43,7 @@ def make_case(seq_lens: list[int], q_lens: Optional[list[int]], *, heads: int, k
                                 nhd=strided, table_pad="nan_block", **kwargs)
 
 
-def run(case: PagedCase, **kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def run(case: PagedCase, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     out = torch.full_like(case.query, math.nan)
     result = pk.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
                                 case.seq_lens, cu_seqlens_q=case.cu_seqlens_q, out=out,
