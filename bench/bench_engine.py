@@ -6,7 +6,9 @@ the engine (`engine.LLM.generate`), then by transformers' `generate` on one padd
 the same prompts, in the same dtype. Reported per batch: output tokens/s of each, their ratio, the
 peak number of KV blocks in use, and the share of allocated KV slots that hold real tokens
 (averaged over steps: the PagedAttention paper's measure of memory waste, internal
-fragmentation included). `--profile` prints a cProfile of a few engine decode steps.
+fragmentation included), and the steps' split: steps with a prompt chunk (prefill, possibly
+mixed with decodes) and pure decode steps, with their time. `--profile` prints a cProfile of a
+few engine decode steps.
 
     python -m bench.bench_engine --help
     python -m bench.bench_engine --batch-sizes 16 64 --dtype float32
@@ -79,16 +81,29 @@ def run_engine(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str,
     engine = llm.llm_engine
     engine.block_manager.peak_used_blocks = engine.block_manager.num_used_blocks
     shares: list[float] = []
+    phases = {"prefill": [0, 0.0], "decode": [0, 0.0]}  # steps, seconds
     step = engine.step
+    schedule = engine.scheduler.schedule
+    last: dict[str, Any] = {}
+
+    def noted_schedule():
+        out = schedule()
+        last["prefill"] = any(n > 1 for _, n in out.scheduled)
+        return out
 
     def measured_step():
+        start = time.perf_counter()
         outputs = step()
+        phase = phases["prefill" if last.get("prefill") else "decode"]
+        phase[0] += 1
+        phase[1] += time.perf_counter() - start
         used, allocated = kv_slot_use(engine)
         if allocated:
             shares.append(used / allocated)
         return outputs
 
     engine.step = measured_step
+    engine.scheduler.schedule = noted_schedule
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     try:
         start = time.perf_counter()
@@ -96,6 +111,7 @@ def run_engine(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str,
         elapsed = time.perf_counter() - start
     finally:
         del engine.step
+        del engine.scheduler.schedule
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"seconds": elapsed, "output_tokens": generated,
             "output_tokens_per_s": generated / elapsed,
@@ -103,6 +119,10 @@ def run_engine(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str,
             "kv_blocks_total": engine.block_manager.num_blocks,
             "kv_slot_share_holding_tokens": sum(shares) / len(shares) if shares else None,
             "num_preemptions": engine.scheduler.num_preemptions,
+            # steps with a prompt chunk (prefill, maybe mixed with decodes) vs pure decode steps
+            "steps": {name: {"count": n, "seconds": sec,
+                             "ms_per_step": sec / n * 1e3 if n else None}
+                      for name, (n, sec) in phases.items()},
             "tokens": [o.outputs[0].token_ids for o in outs]}
 
 
