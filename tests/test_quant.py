@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model.quant import (BLOCK_BYTES, DEFAULT_MAX_ROWS, GGUFBlocks, QuantizedWeight,
+from engine.model.quant import (BLOCK_BYTES, MAX_ROWS, GGUFBlocks, QuantizedWeight,
                                 attach_gguf_weights, quantized_linear)
 
 gguf = pytest.importorskip("gguf")
@@ -98,7 +98,7 @@ def test_kernel_matches_gguf_dequantisation(qtype, dtype, rows, cols):
     rng = np.random.default_rng(rows * 1000 + cols)
     raw = random_blocks(rng, qtype, rows, cols)
     blocks = padded_blocks(raw, qtype, cols)
-    for m in [*range(1, DEFAULT_MAX_ROWS + 2), 9, 17]:  # one M_TILE group and several
+    for m in sorted({1, 2, 3, 5, *MAX_ROWS.values(), *(n + 1 for n in MAX_ROWS.values()), 17}):
         x = torch.from_numpy(rng.normal(0.0, 1.0, (m, cols))).to(dtype)
         check(quantized_linear(padded_x(x), blocks), x, raw, qtype)
 

@@ -2,9 +2,9 @@
 
 The oracle is transformers' own Llama loaded from the same GGUF file, with `generate(do_sample=
 False)`; it shares no code with the engine. Six prompts with different output lengths make the
-running batch shrink from 6 sequences to 1, so decode steps take both paths (dense weights above
-`max_rows` token rows, the file's blocks at or below it), and a spy proves both ran. The KV cache
-is filled with NaN.
+running batch shrink from 6 sequences to 1. With the default crossover (8 rows in float32) prefill
+runs on the dense weights and every decode step on the file's blocks; with the crossover lowered
+to 3, decode steps take both paths. A spy proves which ran. The KV cache is filled with NaN.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import engine.model.llama as llama
 from engine import LLM, SamplingParams
 from engine.model.loader import _gguf_quantization_applies, load_model
-from engine.model.quant import DEFAULT_MAX_ROWS, QuantizedWeight
+from engine.model.quant import MAX_ROWS, QuantizedWeight
 
 TEXTS = ["The capital of France is",
          "Once upon a time, in a land far away, there lived a kind old man who",
@@ -41,18 +41,34 @@ def loaded():
     return load_model(None, dtype=torch.float32, quantization="gguf")
 
 
-def hf_greedy(hf, ids: list[int], max_tokens: int) -> list[int]:
-    with torch.no_grad():
-        gen = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                                                         dtype=torch.long),
-                          max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    return gen[0, len(ids):].tolist()
+@pytest.fixture(scope="module")
+def prompts(loaded):
+    return [loaded.tokenizer.encode(t) for t in TEXTS]
 
 
-def test_greedy_equals_transformers_on_both_paths(loaded, hf_default_model, monkeypatch):
+@pytest.fixture(scope="module")
+def hf_greedy(hf_default_model, prompts):
+    """transformers' greedy continuation of each prompt, MAX_TOKENS[i] tokens."""
+    outs = []
+    for ids, n in zip(prompts, MAX_TOKENS):
+        with torch.no_grad():
+            gen = hf_default_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=n, do_sample=False, pad_token_id=0)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("max_rows", [MAX_ROWS[torch.float32], 3])
+def test_greedy_equals_transformers_on_both_paths(loaded, prompts, hf_greedy, monkeypatch,
+                                                   max_rows):
     assert loaded.quantization == "gguf"
-    assert isinstance(loaded.model.layers[0].gate_up_proj, QuantizedWeight)
+    weights = [w for layer in loaded.model.layers for w in vars(layer).values()
+               if isinstance(w, QuantizedWeight)] + [loaded.model.lm_head]
+    assert len(weights) == 4 * len(loaded.model.layers) + 1
     assert loaded.model.lm_head.blocks.qtype == "Q8_0"
+    for w in weights:
+        monkeypatch.setattr(w, "max_rows", max_rows)
     rows_seen = []
     use_blocks = QuantizedWeight.use_blocks
     monkeypatch.setattr(QuantizedWeight, "use_blocks",
@@ -62,14 +78,15 @@ def test_greedy_equals_transformers_on_both_paths(loaded, hf_default_model, monk
     monkeypatch.setattr(llama, "quantized_linear", lambda x, b: calls.append(1) or kernel(x, b))
 
     llm = LLM(model=loaded, kv_fill=float("nan"), num_kv_blocks=64)
-    prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for out, ids, n in zip(outs, prompts, MAX_TOKENS):
-        assert out.outputs[0].token_ids == hf_greedy(hf_default_model, ids, n)
-    assert calls and any(r <= DEFAULT_MAX_ROWS for r in rows_seen)
-    assert any(r > DEFAULT_MAX_ROWS for r in rows_seen), "the dense path never ran"
-    assert set(r for r in rows_seen if r <= DEFAULT_MAX_ROWS) >= {1, 4}
+    assert [out.outputs[0].token_ids for out in outs] == hf_greedy
+    blocks_rows = {r for r in rows_seen if r <= max_rows}
+    dense_rows = {r for r in rows_seen if r > max_rows}
+    assert len(calls) == sum(r <= max_rows for r in rows_seen)
+    assert blocks_rows >= {1, min(3, max_rows)} and any(r > 8 for r in dense_rows)  # prefill
+    if max_rows < len(TEXTS):
+        assert dense_rows & set(range(max_rows + 1, len(TEXTS) + 1)), "no dense decode step"
 
 
 def test_quantization_option_is_checked():

@@ -24,15 +24,16 @@ import torch
 
 from engine.config import QUANTIZATION_MODES
 
-__all__ = ["QK", "BLOCK_BYTES", "DEFAULT_MAX_ROWS", "QUANTIZATION_MODES", "GGUFBlocks",
+__all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "QUANTIZATION_MODES", "GGUFBlocks",
            "QuantizedWeight", "quantized_linear", "kernel_available", "attach_gguf_weights"]
 
 #: Weights per GGUF block, and bytes per block of each format the kernel reads.
 QK = 32
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
-#: Most token rows for which the blocks are used; above it the dense weight is (docs/quant.md:
-#: measured per projection shape of SmolLM2-135M in bf16 on a 2-core Zen 4).
-DEFAULT_MAX_ROWS = 4
+#: Per dtype of the dense weight (and the activations): the most token rows for which the blocks
+#: are used; above it the dense weight is. Measured crossovers of SmolLM2-135M's decode-step
+#: matmuls on a 2-core Zen 4 (docs/quant.md): bf16 dense reads 2 bytes a weight, float32 4.
+MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,10 @@ def _bad_x(x: torch.Tensor, blocks: GGUFBlocks) -> ValueError:
 class QuantizedWeight:
     """A projection weight with both forms: `blocks` (the file's) and `dense` (the model's own
     weight, plain or oneDNN-packed, same `[rows, cols]`). The model's `_linear` multiplies by the
-    blocks when `use_blocks(x)` (at most `max_rows` rows) and by `dense` otherwise."""
+    blocks when `use_blocks(x)` (at most `max_rows` rows; default `MAX_ROWS` of the dense dtype)
+    and by `dense` otherwise."""
 
-    def __init__(self, blocks: GGUFBlocks, dense: torch.Tensor, max_rows: int = DEFAULT_MAX_ROWS
+    def __init__(self, blocks: GGUFBlocks, dense: torch.Tensor, max_rows: Optional[int] = None
                  ) -> None:
         if tuple(dense.shape) != blocks.shape:
             raise ValueError(f"dense: expected shape {blocks.shape} (the blocks'), got "
@@ -108,7 +110,7 @@ class QuantizedWeight:
                              f"dtypes), got {dense.dtype}")
         self.blocks = blocks
         self.dense = dense
-        self.max_rows = max_rows
+        self.max_rows = MAX_ROWS[dense.dtype] if max_rows is None else max_rows
 
     @property
     def shape(self) -> torch.Size:
@@ -149,12 +151,12 @@ def kernel_available() -> Optional[str]:
 
 
 def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUFBlocks]],
-                        max_rows: int = DEFAULT_MAX_ROWS) -> list[str]:
+                        max_rows: Optional[int] = None) -> list[str]:
     """Replaces each projection weight of `model` (a loaded `LlamaForCausalLM`) by a
     `QuantizedWeight` over its GGUF blocks; `blocks` yields `(hugging_face_name, GGUFBlocks)`
     for the file's tensors in a supported format (others are absent: those projections stay
-    dense). Returns the names of the model attributes converted (e.g. "layers.0.qkv_proj",
-    "lm_head"). ValueError when blocks do not match the model's shapes."""
+    dense). `max_rows`: see `QuantizedWeight`. Returns the names of the model attributes
+    converted (e.g. "layers.0.qkv_proj", "lm_head"). ValueError when blocks do not match the model's shapes."""
     from engine.model.llama import fused_parts
 
     by_name = dict(blocks)
@@ -174,7 +176,8 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
     return converted
 
 
-def _attach(module: torch.nn.Module, name: str, blocks: GGUFBlocks, max_rows: int) -> None:
+def _attach(module: torch.nn.Module, name: str, blocks: GGUFBlocks, max_rows: Optional[int]
+            ) -> None:
     dense = getattr(module, name)
     module._parameters.pop(name, None)  # a Parameter slot takes no other type
     setattr(module, name, QuantizedWeight(blocks, dense, max_rows))
