@@ -9,7 +9,8 @@ Loads the model once, fills `batch` sequences with `--prompt-len` random prompt 
 not timed), then times `--steps` decode steps with wall-clock wrappers around the model's matmuls
 (its `_linear` helper if it has one, else `F.linear`; the LM head included), the attention
 plan's `run` and `write_kv` (as every layer calls them) and the sampler. Prints one markdown row per
-(threads, batch).
+(threads, batch, quantization). `--quantization none gguf` loads the model once per setting and
+alternates them row by row (same machine load; docs/quant.md).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.model.llama as llama
-from engine.config import EngineConfig
+from engine.config import QUANTIZATION_MODES, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.loader import load_model
 from engine.sampling_params import SamplingParams
@@ -43,7 +44,13 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install_model_timers(model: Any) -> None:
-    """Once per process: the model's matmuls, attention and KV writes, and its forward."""
+    """The model's forward and LM head, and, on the first call of the process, the model code's
+    matmuls, attention and KV writes."""
+    model.forward = timed("forward", model.forward)
+    model.compute_logits = timed("logits", model.compute_logits)
+    if getattr(llama, "_profiled", False):
+        return
+    llama._profiled = True
     if hasattr(llama, "_linear"):  # the model's own matmul helper (packed weights on CPU)
         llama._linear = timed("matmul", llama._linear)
     else:
@@ -51,8 +58,6 @@ def install_model_timers(model: Any) -> None:
     plan_class = llama.AttentionPlan
     plan_class.run = timed("attention", plan_class.run)
     plan_class.write_kv = timed("write_kv", plan_class.write_kv)
-    model.forward = timed("forward", model.forward)
-    model.compute_logits = timed("logits", model.compute_logits)
 
 
 class _FProxy:
@@ -101,19 +106,23 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--quantization", nargs="+", default=["auto"], choices=QUANTIZATION_MODES)
     args = p.parse_args()
-    loaded = load_model(None, dtype=getattr(torch, args.dtype))
-    install_model_timers(loaded.model)
+    models = {}
+    for q in args.quantization:
+        models[q] = load_model(None, dtype=getattr(torch, args.dtype), quantization=q)
+        install_model_timers(models[q].model)
     cols = ["step_ms", "matmul_ms", "attention_ms", "write_kv_ms", "other_model_ops_ms",
             "sampling_ms", "python_overhead_ms", "tok_s"]
-    print("| threads | batch | " + " | ".join(cols) + " |")
-    print("|" + "---|" * (len(cols) + 2))
+    print("| threads | batch | quantization | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (len(cols) + 3))
     for threads in args.threads:
         torch.set_num_threads(threads)
         for batch in args.batch:
-            row = profile(loaded, batch, args)
-            print(f"| {threads} | {batch} | " + " | ".join(f"{row[c]:.1f}" for c in cols) + " |",
-                  flush=True)
+            for q, loaded in models.items():
+                row = profile(loaded, batch, args)
+                print(f"| {threads} | {batch} | {loaded.quantization} | "
+                      + " | ".join(f"{row[c]:.1f}" for c in cols) + " |", flush=True)
 
 
 if __name__ == "__main__":
