@@ -11,7 +11,10 @@
 // Inner loops are written so that the compiler vectorises them (`omp simd`, no calls but the
 // inline helpers below).
 
-#include <torch/extension.h>
+// Narrow includes (not torch/extension.h): the first-use build takes half the time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
