@@ -10,6 +10,7 @@ about a minute on 2 cores; `PAGED_KERNELS_FULL_CUDA_CHECK=1` compiles every inst
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -172,7 +173,7 @@ def test_decode_mma_shared_memory_fits_every_head_size(monkeypatch) -> None:
         plan = ops._plan_decode_mma(problem, num_sms=1)
         assert plan.kernel == ops.KERNEL_DECODE_MMA and plan.grid == (8, 3, plan.num_splits)
         assert plan.smem_bytes <= 163 * 1024, (d, plan.smem_bytes)
-        assert plan.stages == (3 if d <= 128 else 2)
+        assert plan.stages == 2
     monkeypatch.setenv(ops.STAGES_ENV, "4")
     for d, stages in [(64, 4), (128, 4), (256, 2)]:
         problem = _problem(torch.bfloat16, (32, 8), None, head_size=d, block_size=1)
@@ -181,6 +182,39 @@ def test_decode_mma_shared_memory_fits_every_head_size(monkeypatch) -> None:
     monkeypatch.setenv(ops.STAGES_ENV, "5")
     with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_STAGES: expected 2, 3 or 4"):
         ops.mma_decode_stages(128)
+
+
+def _decode_problem(batch: int, context: int, head_size: int = 128, block_size: int = 16):
+    import torch
+
+    q = torch.zeros(batch, 32, head_size, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 8, block_size, head_size, dtype=torch.bfloat16)
+    tables = torch.zeros(batch, context // block_size, dtype=torch.int32)
+    return pk.abi.check_attention_args(q, cache, cache, tables,
+                                       torch.ones(batch, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("batch,context", [(1, 16384), (32, 1024), (32, 4096), (128, 4096),
+                                           (32, 16384), (8, 32768), (3, 96)])
+def test_decode_mma_partitions_fill_whole_waves(batch, context) -> None:
+    """The mma decode plan splits the capacity into whole 64-key tiles, within the partition and
+    split bounds, covering it exactly once, and no other split count within the bounds has
+    fewer waves x (keys + fixed cost) on 132 SMs x 3 blocks (head size 128)."""
+    problem = _decode_problem(batch, context)
+    plan = ops._plan_decode_mma(problem, num_sms=132)
+    size, splits = plan.partition_size, plan.num_splits
+    assert size % ops.MMA_DECODE_BN == 0 and size <= ops.MAX_PARTITION
+    assert splits <= ops.MAX_SPLITS and (splits - 1) * size < context <= splits * size
+    slots, ctas = 3 * 132, batch * 8
+
+    def cost(size: int) -> int:
+        return math.ceil(ctas * math.ceil(context / size) / slots) * (
+            size + ops.MMA_BLOCK_OVERHEAD_KEYS)
+
+    sizes = {64 * math.ceil(context / (64 * n)) for n in range(1, ops.MAX_SPLITS + 1)}
+    assert cost(size) == min(cost(s) for s in sizes if 64 <= s <= ops.MAX_PARTITION)
+    if (batch, context) == (32, 4096):
+        assert (size, splits) == (1408, 3)  # 768 blocks: 2 full waves of 396
 
 
 def test_cuda_backend_is_absent_without_a_gpu_and_imports_do_not_break() -> None:

@@ -61,6 +61,13 @@ DECODE_KERNELS = ("mma", "simt")
 MMA_DECODE_ROWS, MMA_DECODE_BN = 16, 64  # PK_DECODE_MMA_ROWS, PK_DECODE_MMA_BN
 #: Dynamic shared memory one block may have on every supported GPU (sm_80: 163 KiB).
 MAX_SMEM = 163 * 1024
+#: Shared memory of one SM of an H100/H200 and what the driver reserves per block: only used to
+#: estimate how many mma decode blocks one wave of the device holds.
+SMEM_PER_SM, SMEM_PER_BLOCK_RESERVED = 228 * 1024, 1024
+#: A decode block's fixed cost (queries, block ids, filling the pipeline, the merge), in keys:
+#: fitted to the H200 partition sweep of the mma kernel (52 keys at 32 x 4096, about 110 at
+#: 32 x 1024, where blocks are short; bench/results/2026-11-30-h200-decode-tuning).
+MMA_BLOCK_OVERHEAD_KEYS = 96
 #: Forces the depth of the mma decode kernel's K/V ring (2 to 4 tiles; fewer where MAX_SMEM
 #: would be exceeded), for timing runs.
 STAGES_ENV = "PAGED_KERNELS_CUDA_DECODE_STAGES"
@@ -68,15 +75,20 @@ MMA_DECODE_STAGES = (2, 3, 4)  # PK_DECODE_MMA_MAX_STAGES is the last
 
 
 def mma_decode_stages(head_size: int) -> int:
-    """Depth of the mma decode kernel's K/V ring: 3 tiles up to head size 128 (about 106 KiB of
-    shared memory at 128, two blocks per H100/H200 SM), else 2; `$PAGED_KERNELS_CUDA_DECODE_STAGES`
-    overrides it."""
+    """Depth of the mma decode kernel's K/V ring: 2 tiles (measured on an H200 at head size 128:
+    2 stages, 3 blocks per SM, gave 83 % of copy bandwidth; 3 stages, 2 blocks, 66 %; 4 stages,
+    1 block, 39 %); `$PAGED_KERNELS_CUDA_DECODE_STAGES` overrides it."""
     forced = os.environ.get(STAGES_ENV)
     if forced:
         if forced not in {str(n) for n in MMA_DECODE_STAGES}:
             raise ValueError(f"{STAGES_ENV}: expected 2, 3 or 4, got {forced!r}")
         return int(forced)
-    return 3 if head_size <= 128 else 2
+    return 2
+
+
+def mma_decode_min_blocks(head_size: int) -> int:
+    """Blocks per SM the mma decode kernel's registers allow (pk_decode_mma_min_blocks)."""
+    return 4 if head_size <= 64 else 3 if head_size <= 128 else 2 if head_size <= 192 else 1
 
 
 def _decode_kernel_choice(dtype: torch.dtype) -> str:
@@ -174,23 +186,58 @@ class AttentionPlan:
     stages: int = 0        # mma decode: depth of the K/V ring
 
 
-def _decode_partition(p: AttentionProblem, ctas: int, num_sms: int) -> tuple[int, int]:
-    """(partition_size, num_splits) from the table capacity (an upper bound on every visible
-    range, known without reading seq_lens): enough blocks to fill the device, bounded workspace."""
+def _decode_capacity(p: AttentionProblem) -> int:
+    """An upper bound on every sequence's visible range, known without reading seq_lens."""
     capacity = p.block_tables.shape[1] * p.block_size
-    if p.sliding_window is not None:
-        capacity = min(capacity, p.sliding_window)
+    return capacity if p.sliding_window is None else min(capacity, p.sliding_window)
+
+
+def _forced_partition() -> int | None:
     forced = os.environ.get(PARTITION_ENV)
-    if forced:
-        size = int(forced)
-        if size < 16 or size % 16:
-            raise ValueError(f"{PARTITION_ENV}: expected a multiple of 16 >= 16, got {forced!r}")
-    else:
+    if not forced:
+        return None
+    if not forced.isdigit() or int(forced) < 16 or int(forced) % 16:
+        raise ValueError(f"{PARTITION_ENV}: expected a multiple of 16 >= 16, got {forced!r}")
+    return int(forced)
+
+
+def _decode_partition(p: AttentionProblem, ctas: int, num_sms: int) -> tuple[int, int]:
+    """(partition_size, num_splits) of the SIMT decode kernel from the table capacity: enough
+    blocks to fill the device, bounded workspace."""
+    capacity = _decode_capacity(p)
+    size = _forced_partition()
+    if size is None:
         size = DEFAULT_PARTITION
         while size > MIN_PARTITION and ctas * math.ceil(capacity / size) < 4 * num_sms:
             size //= 2
         size = max(size, min(MAX_PARTITION, 64 * math.ceil(capacity / (64 * MAX_SPLITS))))
     return size, max(1, math.ceil(capacity / size))
+
+
+def _waves_partition(p: AttentionProblem, ctas: int, slots: int) -> tuple[int, int]:
+    """(partition_size, num_splits) of the mma decode kernel: the split of the table capacity
+    into whole 64-key tiles (64 to MAX_PARTITION keys, at most MAX_SPLITS) that minimises
+    waves x (keys per block + a block's fixed cost), where a wave is `slots` blocks running at
+    once. So the last wave is not left mostly empty (at 32 x 4096 on 132 SMs with 3 blocks each:
+    3 splits of 1408 keys in 2 full waves, not 4 of 1024 in 2.6)."""
+    capacity = _decode_capacity(p)
+    forced = _forced_partition()
+    if forced is not None:
+        return forced, max(1, math.ceil(capacity / forced))
+    best: tuple[int, int, int] | None = None
+    for want in range(1, MAX_SPLITS + 1):
+        size = MMA_DECODE_BN * math.ceil(capacity / (MMA_DECODE_BN * want))
+        if size > MAX_PARTITION:
+            continue
+        if size < MIN_PARTITION and best is not None:
+            break
+        splits = math.ceil(capacity / size)
+        cost = math.ceil(ctas * splits / slots) * (size + MMA_BLOCK_OVERHEAD_KEYS)
+        if best is None or cost < best[0]:
+            best = (cost, size, splits)
+    if best is None:  # only with a capacity above MAX_SPLITS * MAX_PARTITION keys
+        return MAX_PARTITION, math.ceil(capacity / MAX_PARTITION)
+    return best[1], best[2]
 
 
 def _pow2_at_least(n: int, choices: Sequence[int]) -> int:
@@ -215,22 +262,26 @@ def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
 _plans: dict[tuple, AttentionPlan] = {}
 
 
+def _mma_decode_smem(p: AttentionProblem, stages: int, partition: int) -> int:
+    pitch = p.head_size + 8
+    tiles = MMA_DECODE_ROWS * pitch + 2 * stages * MMA_DECODE_BN * pitch
+    return p.query.element_size() * tiles + 4 * (partition // p.block_size + 2)
+
+
 def _plan_decode_mma(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     rows = min(p.num_queries_per_kv, MMA_DECODE_ROWS)
     chunks = math.ceil(p.num_queries_per_kv / MMA_DECODE_ROWS)
-    size, splits = _decode_partition(p, p.num_seqs * p.num_kv_heads * chunks, num_sms)
-
-    def smem(stages: int) -> int:
-        pitch = p.head_size + 8
-        tiles = MMA_DECODE_ROWS * pitch + 2 * stages * MMA_DECODE_BN * pitch
-        return p.query.element_size() * tiles + 4 * (size // p.block_size + 2)
-
     stages = mma_decode_stages(p.head_size)
-    while stages > MMA_DECODE_STAGES[0] and smem(stages) > MAX_SMEM:
+    widest = max(MAX_PARTITION, _forced_partition() or 0)
+    while stages > MMA_DECODE_STAGES[0] and _mma_decode_smem(p, stages, widest) > MAX_SMEM:
         stages -= 1  # a forced depth that does not fit
+    per_sm = SMEM_PER_SM // (_mma_decode_smem(p, stages, widest) + SMEM_PER_BLOCK_RESERVED)
+    blocks = max(1, min(mma_decode_min_blocks(p.head_size), per_sm))
+    ctas = p.num_seqs * p.num_kv_heads * chunks
+    size, splits = _waves_partition(p, ctas, blocks * num_sms)
     return AttentionPlan(KERNEL_DECODE_MMA, MMA_DECODE_ROWS, rows, chunks, 1, splits, size,
-                         (p.num_kv_heads * chunks, p.num_seqs, splits), smem(stages),
-                         (p.num_heads, p.num_seqs), stages)
+                         (p.num_kv_heads * chunks, p.num_seqs, splits),
+                         _mma_decode_smem(p, stages, size), (p.num_heads, p.num_seqs), stages)
 
 
 def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
