@@ -14,8 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model.quant import (BLOCK_BYTES, MAX_ROWS, GGUFBlocks, QuantizedWeight,
-                                attach_gguf_weights, quantized_linear)
+from engine.model.quant import (
+    BLOCK_BYTES,
+    MAX_ROWS,
+    GGUFBlocks,
+    QuantizedWeight,
+    attach_gguf_weights,
+    quantized_linear,
+)
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402  (after the skip)

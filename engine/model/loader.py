@@ -12,8 +12,13 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from engine.model.gguf_reader import (gguf_blocks, gguf_config, gguf_metadata, gguf_tensors,
-                                      open_gguf)
+from engine.model.gguf_reader import (
+    gguf_blocks,
+    gguf_config,
+    gguf_metadata,
+    gguf_tensors,
+    open_gguf,
+)
 from engine.model.llama import LlamaConfig, LlamaForCausalLM
 from engine.model.quant import QUANTIZATION_MODES, attach_gguf_weights, kernel_available
 from engine.tokenizer import Tokenizer

@@ -156,7 +156,8 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
     `QuantizedWeight` over its GGUF blocks; `blocks` yields `(hugging_face_name, GGUFBlocks)`
     for the file's tensors in a supported format (others are absent: those projections stay
     dense). `max_rows`: see `QuantizedWeight`. Returns the names of the model attributes
-    converted (e.g. "layers.0.qkv_proj", "lm_head"). ValueError when blocks do not match the model's shapes."""
+    converted (e.g. "layers.0.qkv_proj", "lm_head"). ValueError when blocks do not match the
+    model's shapes."""
     from engine.model.llama import fused_parts
 
     by_name = dict(blocks)
