@@ -16,6 +16,9 @@ alternates them row by row (same machine load; docs/quant.md).
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
+import os
 import random
 import time
 from collections import defaultdict
@@ -107,6 +110,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--backend", default="auto")
     p.add_argument("--quantization", nargs="+", default=["auto"], choices=QUANTIZATION_MODES)
+    p.add_argument("--out", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args()
     models = {}
     for q in args.quantization:
@@ -116,13 +120,23 @@ def main() -> None:
             "sampling_ms", "python_overhead_ms", "tok_s"]
     print("| threads | batch | quantization | " + " | ".join(cols) + " |")
     print("|" + "---|" * (len(cols) + 3))
+    rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         for batch in args.batch:
             for q, loaded in models.items():
                 row = profile(loaded, batch, args)
+                rows.append({"threads": threads, "batch": batch,
+                             "quantization": loaded.quantization, **row})
                 print(f"| {threads} | {batch} | {loaded.quantization} | "
                       + " | ".join(f"{row[c]:.1f}" for c in cols) + " |", flush=True)
+    if args.out:
+        report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "load_average": os.getloadavg(), "dtype": args.dtype,
+                  "prompt_len": args.prompt_len, "steps": args.steps, "backend": args.backend,
+                  "rows": rows}
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
