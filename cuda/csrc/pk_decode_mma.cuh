@@ -196,8 +196,15 @@ pk_decode_mma_kernel(const PkAttnParams p) {
     const T* kt = ks + (stage * BN + warp * 16) * DP;
     const T* vt = vs + (stage * BN + warp * 16) * DP;
 
-    // S = Q K^T over this warp's 16 keys: two n-tiles of 8 keys.
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    // S = Q K^T over this warp's 16 keys: two n-tiles of 8 keys. From head size 128 on, each is
+    // summed over the k-slices in two accumulators (even and odd slices), so two mma chains of
+    // half the length overlap (below it the chains are short, and registers are tighter).
+    constexpr int PARITIES = KS >= 8 ? 2 : 1;
+    float s[2][4], s_odd[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[nt][c] = s_odd[nt][c] = 0.f;
     {
       const int i = lane / 8, rr = lane % 8;
 #pragma unroll
@@ -206,10 +213,15 @@ pk_decode_mma_kernel(const PkAttnParams p) {
         const uint32_t* a = qa[Q_IN_REGS ? kk : 0];
         uint32_t b[4];  // b[0..1]: keys 0-7, b[2..3]: keys 8-15
         pk_ldmatrix_x4(b, kt + (rr + 8 * (i >> 1)) * DP + kk * 16 + 8 * (i & 1));
-        PkMma<T>::run(s[0], a, b, s[0]);
-        PkMma<T>::run(s[1], a, b + 2, s[1]);
+        float (&acc)[2][4] = kk % PARITIES == 0 ? s : s_odd;
+        PkMma<T>::run(acc[0], a, b, acc[0]);
+        PkMma<T>::run(acc[1], a, b + 2, acc[1]);
       }
     }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[nt][c] += s_odd[nt][c];
     // The next copies go out here, while the tensor cores finish S (slot `stage - 1` was freed
     // by the barrier above).
     issue_tile(tile + stages - 1, stage == 0 ? stages - 1 : stage - 1);
