@@ -1,5 +1,7 @@
-"""Compiling a one-file C++ torch extension at first use (shared by the `cpu` attention backend,
-`cpu_impl/build.py`, and the engine's quantized matmul, `engine/native_build.py`).
+"""Compiling one C++ file at first use: as a torch extension (`load`: the `cpu` attention
+backend, `cpu_impl/build.py`; the engine's layer ops) or as a plain shared library for ctypes
+(`load_library`: no torch headers, so a build takes seconds instead of ~30 s; the engine's
+quantized matmul, `engine/native_build.py`).
 
 A build goes to torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
 `~/.cache/torch_extensions`) under a name keyed on the source's hash and the compile flags, so a
@@ -10,12 +12,16 @@ on every CPU that has the features its name was keyed on.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-_modules: dict[tuple[str, tuple[str, ...]], ModuleType] = {}
+_modules: dict[tuple[str, str, tuple[str, ...]], Any] = {}
 
 
 class BuildFailed(RuntimeError):
@@ -45,7 +51,7 @@ def load(source: Path, prefix: str, cflags: list[str], what: str) -> ModuleType:
     time), built on the first call of the process for that (source, flags) pair and cached on disk
     after. `what` names the build in the one-line notice printed before a compile. Raises
     BuildFailed with the compiler's output when the build fails."""
-    key = (str(source), tuple(cflags))
+    key = ("extension", str(source), tuple(cflags))
     if key in _modules:
         return _modules[key]
     from torch.utils import cpp_extension
@@ -62,3 +68,40 @@ def load(source: Path, prefix: str, cflags: list[str], what: str) -> ModuleType:
         raise BuildFailed(f"building {source} failed: {exc}") from exc
     _modules[key] = module
     return module
+
+
+def load_library(source: Path, prefix: str, cflags: list[str], what: str) -> ctypes.CDLL:
+    """The shared library compiled from the single C++ file `source` (which must not include
+    torch headers) with `cflags` plus `-shared -fPIC -fopenmp`, by `$CXX` (default `c++`), for
+    ctypes. Built once per machine into torch's extension cache, under a name keyed like `load`'s
+    (a finished build is renamed into place, so concurrent first uses are safe), and loaded once
+    per process. `what` names the build in the notice printed before a compile. Raises
+    BuildFailed with the compiler's output when the build fails."""
+    key = ("library", str(source), tuple(cflags))
+    if key in _modules:
+        return _modules[key]
+    from torch.utils import cpp_extension
+
+    name = extension_name(prefix, source, cflags)
+    path = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+    if not path.exists():
+        _compile_library(source, cflags, path, what)
+    library = ctypes.CDLL(str(path))
+    _modules[key] = library
+    return library
+
+
+def _compile_library(source: Path, cflags: list[str], path: Path, what: str) -> None:
+    compiler = os.environ.get("CXX", "c++")
+    print(f"{what}: compiling {source.name} ({' '.join(cflags)}), once per machine",
+          file=sys.stderr, flush=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    command = [compiler, *cflags, "-shared", "-fPIC", "-fopenmp", str(source), "-o", str(partial)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise BuildFailed(f"building {source} failed: cannot run {compiler!r}: {exc}") from exc
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise BuildFailed(f"building {source} failed ({' '.join(command)}):\n{done.stderr}")
+    os.replace(partial, path)

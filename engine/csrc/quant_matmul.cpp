@@ -1,5 +1,6 @@
 // Weight-only quantized matmul on the CPU: y[M, N] = x[M, K] @ W[N, K]^T with W kept as a GGUF
-// file stores it. Compiled at first use by engine/native_build.py; called by engine/model/quant.py.
+// file stores it. A plain shared library (no torch headers: it compiles in seconds), built at
+// first use by engine/native_build.py and called through ctypes by engine/model/quant.py.
 //
 // Formats (ggml's; 32 weights per block; the K/32 blocks of one output row are contiguous):
 //   Q4_1 (20 bytes): f16 d, f16 m, 16 bytes qs; weight j = d * q_j + m with q_j = qs[j] & 15 for
@@ -20,13 +21,13 @@
 // caller keeps M small: engine/model/quant.py's crossover).
 // Bytes moved per call: N * K/32 * block bytes of weights, M * K activations, M * N outputs.
 //
-// Invariants relied on (checked by the entry point): x is [M, K] contiguous, K % 32 == 0, blocks is
-// [N, K/32 * block bytes] contiguous uint8, out is [M, N] contiguous of x's dtype. The result does
-// not depend on the thread count.
-#include <torch/extension.h>
+// Invariants relied on (checked by the caller, engine/model/quant.py): x is [M, K] contiguous with
+// K % 32 == 0, the blocks are [N, K/32 * block bytes] contiguous, y is [M, N] contiguous of x's
+// dtype. The result does not depend on the thread count.
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -73,6 +74,20 @@ inline float f16_to_f32(uint16_t h) {
 }
 
 inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+inline float bf16_to_f32(uint16_t h) {  // exact: bf16 is the top half of a float32
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN -> 0x7FC0 (torch's rule)
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
 
 // --- formats: scalar dequantisation (portable path and oracle-free reference of the SIMD one) --
 
@@ -127,13 +142,13 @@ struct Problem {
   const float* sx;      // [M, K/32] block sums of x, pairs {0, sum} (the bf16 dot path), else null
   const uint8_t* w;     // [N, row_bytes]
   float* y;             // [M, N] float32 output, or null when the output is bf16
-  at::BFloat16* yb;     // [M, N] bfloat16 output (rounded to nearest even, as torch rounds)
+  uint16_t* yb;         // [M, N] bfloat16 output (rounded to nearest even, as torch rounds)
   int64_t M, N, K, row_bytes;
 };
 
 inline void store(const Problem& p, int64_t m, int64_t n, float v) {
   if (p.y != nullptr) p.y[m * p.N + n] = v;
-  else p.yb[m * p.N + n] = at::BFloat16(v);
+  else p.yb[m * p.N + n] = f32_to_bf16(v);
 }
 
 #if defined(QM_SIMD)
@@ -269,55 +284,45 @@ void run(const Problem& p, int64_t threads) {
 
 }  // namespace
 
-// Entry point: y = x @ W^T for W given as GGUF blocks of `qtype` ("Q4_1" or "Q8_0") with `n`
-// output features. x: [M, K] float32 or bfloat16, contiguous, K % 32 == 0; blocks: uint8
-// [n, K/32 * block bytes]. Returns [M, n] in x's dtype. Called by engine/model/quant.py, which
-// checks the user-facing arguments first; these checks guard the kernel's own invariants.
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, const std::string& qtype,
-                        int64_t threads) {
-  const bool q4 = qtype == "Q4_1";
-  TORCH_CHECK(q4 || qtype == "Q8_0", "qtype: expected Q4_1 or Q8_0, got ", qtype);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % QK == 0,
-              "x: expected a contiguous [M, K] tensor with K % 32 == 0");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "x: expected float32 or bfloat16, got ", x.scalar_type());
-  const int64_t bytes = q4 ? Q4_1::BYTES : Q8_0::BYTES;
-  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte &&
-                  blocks.size(1) == x.size(1) / QK * bytes,
-              "blocks: expected contiguous uint8 [N, K/32 * ", bytes, "]");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  at::Tensor y = at::empty({M, blocks.size(0)}, x.options());
+// Entry point (engine/model/quant.py): y = x @ W^T for W given as GGUF blocks, qtype 0 = Q4_1,
+// 1 = Q8_0, with N output features. x: [M, K] float32 (x_bf16 = 0) or bfloat16 (x_bf16 = 1);
+// y: [M, N] of the same dtype. Returns 0, or -1 (nothing done) for an unknown qtype or a K that is
+// not a positive multiple of 32.
+extern "C" int quant_matmul(const void* x, int x_bf16, const uint8_t* blocks, int qtype, void* y,
+                            int64_t M, int64_t N, int64_t K, int threads) {
+  if ((qtype != 0 && qtype != 1) || K <= 0 || K % QK != 0) return -1;
+  const bool q4 = qtype == 0;
+  const int64_t nb = K / QK;
   std::vector<float> xf, sx;  // bf16 x widened (float32 path) or its block sums (bf16 dot path)
-  Problem p{nullptr, nullptr, nullptr, blocks.data_ptr<uint8_t>(),
-            bf16 ? nullptr : y.data_ptr<float>(),
-            bf16 ? y.data_ptr<at::BFloat16>() : nullptr, M, blocks.size(0), K, blocks.size(1)};
-  if (!bf16) {
-    p.x = x.data_ptr<float>();
+  Problem p{nullptr, nullptr, nullptr, blocks, x_bf16 ? nullptr : static_cast<float*>(y),
+            x_bf16 ? static_cast<uint16_t*>(y) : nullptr, M, N, K,
+            nb * (q4 ? Q4_1::BYTES : Q8_0::BYTES)};
+  const uint16_t* xb = static_cast<const uint16_t*>(x);
+  if (!x_bf16) {
+    p.x = static_cast<const float*>(x);
   } else if (q4 && BF16_DOT) {
-    p.xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     sx.assign(M * nb * 2, 0.f);
     for (int64_t i = 0; i < M * nb; ++i) {
       float sum = 0.f;
-      for (int j = 0; j < QK; ++j) sum += static_cast<float>(x.data_ptr<at::BFloat16>()[i * QK + j]);
+      for (int j = 0; j < QK; ++j) sum += bf16_to_f32(xb[i * QK + j]);
       sx[2 * i + 1] = sum;
     }
+    p.xb = xb;
     p.sx = sx.data();
   } else {
-    const at::BFloat16* src = x.data_ptr<at::BFloat16>();
     xf.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(src[i]);  // exact
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_f32(xb[i]);
     p.x = xf.data();
   }
-  if (p.M > 0 && p.N > 0) {
+  if (M > 0 && N > 0) {
     if (q4) run<Q4_1>(p, threads);
     else run<Q8_0>(p, threads);
   }
-  return y;
+  return 0;
 }
 
-// The code paths this build has: "avx512" (+ "bf16-dot") or "portable".
-std::string simd_paths() {
+// The code paths this build has: "avx512,bf16-dot", "avx512" or "portable".
+extern "C" const char* quant_simd_paths() {
 #if defined(QM_BF16)
   return "avx512,bf16-dot";
 #elif defined(QM_SIMD)
@@ -325,11 +330,4 @@ std::string simd_paths() {
 #else
   return "portable";
 #endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The GIL is released: the kernel touches no Python object (a server's other threads run on).
-  m.def("quant_matmul", &quant_matmul, "y = x @ W^T for GGUF Q4_1/Q8_0 blocks (engine/model/quant.py)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("simd_paths", &simd_paths, "the code paths compiled in");
 }

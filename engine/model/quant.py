@@ -18,11 +18,14 @@ docs/quant.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
 from engine.config import QUANTIZATION_MODES
+
+if TYPE_CHECKING:
+    from engine.native_build import QuantKernel
 
 __all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "QUANTIZATION_MODES", "GGUFBlocks",
            "QuantizedWeight", "quantized_linear", "kernel_available", "attach_gguf_weights"]
@@ -73,15 +76,18 @@ class GGUFBlocks:
         return GGUFBlocks(parts[0].qtype, torch.cat([p.data for p in parts]), parts[0].cols)
 
 
-def quantized_linear(x: torch.Tensor, blocks: GGUFBlocks) -> torch.Tensor:
+def quantized_linear(x: torch.Tensor, blocks: GGUFBlocks,
+                     kernel: Optional["QuantKernel"] = None) -> torch.Tensor:
     """`x @ W.T` for `x` `[M, cols]` (float32 or bfloat16) and W given as `blocks`, computed from
     the blocks (float32 dequantisation and accumulation); returns `[M, rows]` in x's dtype, with
     bfloat16 rounded to nearest even once at the end. Runs on torch's thread count; the result
-    does not depend on it."""
+    does not depend on it. `kernel`: a build of the kernel (tests pass the portable one); default
+    this machine's."""
     if x.dim() != 2 or x.shape[1] != blocks.cols or x.dtype not in _X_DTYPES or not x.is_cpu:
         raise _bad_x(x, blocks)  # one combined test: this runs ~120 times per decode step
-    ext = _extension if _extension is not None else _kernel()
-    return ext.quant_matmul(x.contiguous(), blocks.data, blocks.qtype, torch.get_num_threads())
+    if kernel is None:
+        kernel = _extension if _extension is not None else _kernel()
+    return kernel.matmul(x.contiguous(), blocks, torch.get_num_threads())
 
 
 _X_DTYPES = (torch.float32, torch.bfloat16)
@@ -128,8 +134,8 @@ class QuantizedWeight:
 _extension = None
 
 
-def _kernel():
-    """The compiled extension, built or loaded on first use (once per process)."""
+def _kernel() -> "QuantKernel":
+    """The compiled kernel, built or loaded on first use (once per process)."""
     global _extension
     if _extension is None:
         from engine.native_build import load_quant
