@@ -203,3 +203,31 @@ def assert_f32_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> N
     x64, w64 = x.double(), w.double()
     tol = 2 * w.shape[1] * U32 * (x64.abs() @ w64.abs().T)
     assert ((got.double() - x64 @ w64.T).abs() <= tol).all()
+
+
+def test_attach_keeps_mixed_or_missing_parts_dense():
+    """A fused projection converts only when every part has blocks of one format."""
+    from engine.model.llama import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config, dtype=torch.float32)
+
+    def blocks(qtype: str, rows: int, cols: int) -> GGUFBlocks:
+        raw = random_blocks(np.random.default_rng(rows), qtype, rows, cols)
+        return GGUFBlocks(qtype, torch.from_numpy(raw), cols)
+
+    given = {"model.layers.0.self_attn.q_proj.weight": blocks("Q4_1", 64, 64),
+             "model.layers.0.self_attn.k_proj.weight": blocks("Q4_1", 64, 64),
+             "model.layers.0.self_attn.v_proj.weight": blocks("Q8_0", 64, 64),  # mixed: dense
+             "model.layers.0.mlp.gate_proj.weight": blocks("Q4_1", 96, 64),
+             "model.layers.0.mlp.up_proj.weight": blocks("Q4_1", 96, 64),
+             "model.layers.1.mlp.down_proj.weight": blocks("Q8_0", 64, 96),
+             "model.layers.1.mlp.gate_proj.weight": blocks("Q4_1", 96, 64)}  # no up: dense
+    converted = attach_gguf_weights(model, given.items())
+    assert converted == ["layers.0.gate_up_proj", "layers.1.down_proj"]
+    assert isinstance(model.layers[0].qkv_proj, torch.nn.Parameter)
+    assert model.layers[0].gate_up_proj.blocks.shape == (192, 64)
+    with pytest.raises(ValueError, match="dense: expected shape"):
+        attach_gguf_weights(LlamaForCausalLM(config, dtype=torch.float32),
+                            [("model.layers.0.self_attn.o_proj.weight", blocks("Q4_1", 32, 64))])

@@ -123,7 +123,8 @@ class QuantizedWeight:
         return self.dense.shape
 
     def use_blocks(self, x: torch.Tensor) -> bool:
-        """Whether `linear(x)` reads the blocks (few rows) rather than the dense weight."""
+        """Whether the model's `_linear(x, self)` reads the blocks (few rows) rather than the
+        dense weight."""
         return x.shape[0] <= self.max_rows
 
     def __repr__(self) -> str:
@@ -145,7 +146,7 @@ def _kernel() -> "QuantKernel":
 
 
 def kernel_available() -> Optional[str]:
-    """None when the quantized-matmul extension builds (or is built) on this machine, else the
+    """None when the quantized-matmul kernel builds (or is built) on this machine, else the
     reason it does not."""
     from engine.native_build import BuildFailed
 
@@ -161,9 +162,9 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
     """Replaces each projection weight of `model` (a loaded `LlamaForCausalLM`) by a
     `QuantizedWeight` over its GGUF blocks; `blocks` yields `(hugging_face_name, GGUFBlocks)`
     for the file's tensors in a supported format (others are absent: those projections stay
-    dense). `max_rows`: see `QuantizedWeight`. Returns the names of the model attributes
-    converted (e.g. "layers.0.qkv_proj", "lm_head"). ValueError when blocks do not match the
-    model's shapes."""
+    dense, and so does a fused projection whose parts differ in format). `max_rows`: see
+    `QuantizedWeight`. Returns the names of the model attributes converted (e.g.
+    "layers.0.qkv_proj", "lm_head"). ValueError when blocks do not match the model's shapes."""
     from engine.model.llama import fused_parts
 
     by_name = dict(blocks)
@@ -172,10 +173,11 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
                for i, layer in enumerate(model.layers)]
     for prefix, hf_prefix, layer in targets:
         for fused, parts in fused_parts().items():
-            names = [hf_prefix + part + ".weight" for part in parts]
-            if all(n in by_name for n in names):
-                _attach(layer, fused, GGUFBlocks.concat([by_name[n] for n in names]), max_rows)
-                converted.append(prefix + fused)
+            found = [by_name.get(hf_prefix + part + ".weight") for part in parts]
+            if None in found or len({(b.qtype, b.cols) for b in found}) != 1:
+                continue
+            _attach(layer, fused, GGUFBlocks.concat(found), max_rows)
+            converted.append(prefix + fused)
     head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     if head in by_name:
         _attach(model, "lm_head", by_name[head], max_rows)
