@@ -223,7 +223,7 @@ inline void q4_1_feature_bf16(const Problem& p, int64_t n, int64_t m0) {
 #endif
 
 template <class F>
-void features_portable(const Problem& p, int64_t n, int64_t m0, int64_t mt) {
+void feature_portable(const Problem& p, int64_t n, int64_t m0, int64_t mt) {
   float acc[M_TILE][QK] = {};
   float w[QK];
   for (int64_t b = 0; b < p.K / QK; ++b) {
@@ -253,7 +253,7 @@ void tile_rows(const Problem& p, int64_t n0, int64_t n1, int64_t m0) {
 #endif
   for (; n < n1; ++n) feature_simd<F, MT>(p, n, m0);
 #else
-  for (; n < n1; ++n) features_portable<F>(p, n, m0, MT);
+  for (; n < n1; ++n) feature_portable<F>(p, n, m0, MT);
 #endif
 }
 
