@@ -164,7 +164,8 @@ def sampling_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
 def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Sets to -inf, per row, every logit below the last token kept by top-k then top-p.
 
-    Only the best few logits are sorted (`topk` of `_CANDIDATES[0]`, or of the largest top_k);
+    Only the best few logits are sorted (`topk` of `_CANDIDATES[0]`, or of the largest top_k,
+    or of just the largest top_k when every row has one);
     rows whose top-p nucleus may extend past them are redone with more, then with a full sort.
     Either way a row's kept set depends on that row alone."""
     vocab = x.shape[1]
@@ -179,7 +180,9 @@ def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     pending = torch.arange(len(rows))
     for width in (*_CANDIDATES, vocab):
         part, part_k = sub[pending], top_k[pending]
-        k = min(vocab, max([width] + [int(t) for t in part_k if t < vocab]))
+        limits = [int(t) for t in part_k if t < vocab]
+        # rows cut by top-k never need more than their k (topk's cost grows with k)
+        k = min(vocab, max(limits if len(limits) == len(part_k) else [width] + limits))
         values = part.topk(k, dim=-1, sorted=True).values if k < vocab else \
             part.sort(dim=-1, descending=True).values
         n_keep, incomplete = _kept_counts(part, values, part_k, top_p[pending])
