@@ -12,6 +12,10 @@ few engine decode steps.
 
     python -m bench.bench_engine --help
     python -m bench.bench_engine --batch-sizes 16 64 --dtype float32
+    python -m bench.bench_engine --batch-sizes 16 --dtype bfloat16 --threads 2 --repeats 3
+
+`--repeats N` runs N engine / transformers pairs on fresh prompts and reports each and the median
+ratio (on a shared machine the load drifts during a run).
 
 Results are written as JSON under bench/results/.
 """
@@ -26,6 +30,7 @@ import os
 import platform
 import pstats
 import random
+import statistics
 import time
 from typing import Any
 
@@ -51,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     p.add_argument("--profile", action="store_true", help="profile engine decode steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="engine / transformers pairs on fresh prompts; the median ratio is "
+                        "reported (steadier on a shared machine)")
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/...)")
     return p.parse_args(argv)
 
@@ -168,6 +176,24 @@ def profile_decode(llm: Any, prompts: list[list[int]], steps: int = 5) -> None:
         engine.abort_request(f"profile-{i}")
 
 
+def compare(llm: Any, hf: Any, n: int, args: argparse.Namespace, vocab: int,
+            repeat: int) -> dict[str, Any]:
+    """One engine run and (unless skipped) one transformers run on the same fresh prompts (a new
+    set per repeat, so the engine never hits its prefix cache)."""
+    prompts = make_prompts(n, args.prompt_len, vocab, args.seed + n + 1000 * repeat)
+    ours = run_engine(llm, prompts, args.max_tokens)
+    result: dict[str, Any] = {"engine": ours}
+    if hf is not None:
+        theirs = run_hf(hf, prompts, args.max_tokens)
+        result["transformers"] = theirs
+        result["speedup"] = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+        same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
+        result["identical_continuations"] = f"{same}/{n}"
+        theirs.pop("tokens")
+    ours.pop("tokens")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
@@ -185,7 +211,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": loaded.name, "dtype": args.dtype, "backend": args.backend,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "runs": []}
     for n in args.batch_sizes:
-        prompts = make_prompts(n, args.prompt_len, loaded.config.vocab_size, args.seed + n)
         per_seq = -(-(args.prompt_len + args.max_tokens) // args.block_size)
         llm = LLM(model=loaded, dtype=dtype, block_size=args.block_size,
                   num_kv_blocks=n * per_seq + 8, max_num_seqs=n,
@@ -199,16 +224,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.profile:  # on other prompts, so that the timed run gets no prefix-cache hits
             profile_decode(llm, make_prompts(n, args.prompt_len, loaded.config.vocab_size,
                                              args.seed + 10_000 + n))
-        ours = run_engine(llm, prompts, args.max_tokens)
-        run: dict[str, Any] = {"batch_size": n, "engine": ours}
-        if hf is not None:
-            theirs = run_hf(hf, prompts, args.max_tokens)
-            run["transformers"] = theirs
-            run["speedup"] = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
-            same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
-            run["identical_continuations"] = f"{same}/{n}"
-            theirs.pop("tokens")
-        ours.pop("tokens")
+        pairs = [compare(llm, hf, n, args, loaded.config.vocab_size, r)
+                 for r in range(args.repeats)]
+        run: dict[str, Any] = {"batch_size": n, **pairs[0]}
+        if args.repeats > 1:
+            run["repeats"] = pairs
+            if hf is not None:
+                run["speedup_median"] = statistics.median(p["speedup"] for p in pairs)
         report["runs"].append(run)
         print(json.dumps(run, indent=1), flush=True)
     out = args.out or os.path.join(
