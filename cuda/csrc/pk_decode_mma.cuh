@@ -17,11 +17,13 @@
 //   Invariants: rows of q/k/v/out are 16-byte aligned (ops.py checks); no key at a position
 //   >= seq_len is ever read: rows past the partition are zero-filled by cp.async without a load
 //   (cache slots past seq_len may hold NaN); block-table entries past ceil(seq_len / block_size)
-//   are never read; cache offsets are int64.
-//   Dynamic shared memory (planned in ops.py `_plan_decode_mma`): Q [16][DP], K and V rings
-//   [stages][BN][DP] (T, DP = HEAD_SIZE + 8: ldmatrix rows fall in distinct banks), then
-//   partition_size / block_size + 2 ints of block ids. The merge reuses the K/V rings (they
-//   hold at least 2 tiles of K and V, more than the merge needs).
+//   are never read; cache offsets are int64. Each row's K/V offsets are computed once, by one
+//   thread, an iteration before its copies are issued (so issuing a copy is a shared-memory
+//   read, not a block-table walk per 16 bytes).
+//   Dynamic shared memory (planned in ops.py `_mma_decode_smem`): Q [16][DP], K and V rings
+//   [stages][BN][DP] (T, DP = HEAD_SIZE + 8: ldmatrix rows fall in distinct banks), the rings'
+//   row offsets [stages][BN] (PkRowOffsets). The merge reuses the K/V rings (they hold at least
+//   2 tiles of K and V, more than the merge needs).
 #pragma once
 #include "pk_common.cuh"
 #include "pk_cp_async.cuh"
@@ -39,6 +41,11 @@ constexpr int PK_DECODE_MMA_MAX_STAGES = 4;
 __host__ __device__ constexpr int pk_decode_mma_min_blocks(int head_size) {
   return head_size <= 64 ? 4 : head_size <= 128 ? 3 : head_size <= 192 ? 2 : 1;
 }
+
+// K and V offsets (elements) of one cache row; -1 for a row past the partition.
+struct alignas(16) PkRowOffsets {
+  int64_t k, v;
+};
 
 // Where one block of the decode kernels works: its heads and its key range.
 struct PkDecodeRange {
@@ -102,7 +109,7 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   const int stages = static_cast<int>(p.stages);  // 2..PK_DECODE_MMA_MAX_STAGES (ops.py)
   T* ks = qs + M * DP;                     // [stages][BN][DP]
   T* vs = ks + stages * BN * DP;           // [stages][BN][DP]
-  int* s_blocks = reinterpret_cast<int*>(vs + stages * BN * DP);
+  auto* s_off = reinterpret_cast<PkRowOffsets*>(vs + stages * BN * DP);  // [stages][BN]
 
   const PkDecodeRange r = pk_decode_range(p, M);
   if (r.n == 0) {
@@ -112,8 +119,27 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   const int n = static_cast<int>(r.n);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, tq = lane % 4;
+  const int num_tiles = (n + BN - 1) / BN;
 
-  // Q rows (zeros past the group's heads) and the partition's block ids -> shared memory.
+  // Where row `row` of tile `tile` lives: its block id (read from the block table, only for rows
+  // inside the partition; -1 past it) and slot, and from those its K and V offsets.
+  const PkBlockMap bmap(static_cast<const int32_t*>(p.block_tables) + r.seq * p.bt_stride,
+                        static_cast<int>(p.block_size));
+  auto locate_row = [&](int tile, int row, int64_t& block, int& slot) {
+    const int i = tile * BN + row;
+    block = -1;
+    slot = 0;
+    if (tile < num_tiles && i < n)
+      block = __ldg(bmap.table + bmap.index(static_cast<int>(r.part_start) + i, slot));
+  };
+  auto row_offsets = [&](int64_t block, int slot) -> PkRowOffsets {
+    if (block < 0) return PkRowOffsets{-1, -1};
+    return PkRowOffsets{block * p.k_stride_block + static_cast<int64_t>(slot) * p.k_stride_slot,
+                        block * p.v_stride_block + static_cast<int64_t>(slot) * p.v_stride_slot};
+  };
+
+  // Q rows (zeros past the group's heads), and the row offsets of tiles 0..stages-1 (one thread
+  // per row), -> shared memory.
   for (int idx = threadIdx.x; idx < M * NVEC; idx += PK_DECODE_MMA_THREADS) {
     const int row = idx / NVEC, v = idx % NVEC;
     uint4 raw = make_uint4(0u, 0u, 0u, 0u);
@@ -122,41 +148,32 @@ pk_decode_mma_kernel(const PkAttnParams p) {
                       (r.head0 + row) * p.q_stride_head + v * VEC);
     *reinterpret_cast<uint4*>(qs + row * DP + v * VEC) = raw;
   }
-  const PkBlockMap bmap(static_cast<const int32_t*>(p.block_tables) + r.seq * p.bt_stride,
-                        static_cast<int>(p.block_size));
-  int slot_unused;
-  const int first_idx = bmap.index(static_cast<int>(r.part_start), slot_unused);
-  const int num_idx =
-      bmap.index(static_cast<int>(r.part_start) + n - 1, slot_unused) - first_idx + 1;
-  for (int i = threadIdx.x; i < num_idx; i += PK_DECODE_MMA_THREADS)
-    s_blocks[i] = __ldg(bmap.table + first_idx + i);
+  if (threadIdx.x < BN) {
+    for (int t = 0; t < stages; ++t) {
+      int64_t block;
+      int slot;
+      locate_row(t, threadIdx.x, block, slot);
+      s_off[t * BN + threadIdx.x] = row_offsets(block, slot);
+    }
+  }
   __syncthreads();
 
-  // Starts the copies of tile `tile` into ring slot `stage`, then commits (an empty group past
-  // the last tile keeps the group count uniform).
+  // Starts the copies of tile `tile` into ring slot `stage` (its row offsets are s_off[stage]),
+  // then commits (an empty group past the last tile keeps the group count uniform).
   const T* kbase = static_cast<const T*>(p.k_cache) + r.kvh * p.k_stride_head;
   const T* vbase = static_cast<const T*>(p.v_cache) + r.kvh * p.v_stride_head;
-  const int num_tiles = (n + BN - 1) / BN;
   auto issue_tile = [&](int tile, int stage) {
     if (tile < num_tiles) {
       static_assert(BN * NVEC % PK_DECODE_MMA_THREADS == 0, "whole passes over the tile");
-#pragma unroll 4  // block-id loads of 4 rows in flight at once; a full unroll costs registers
+#pragma unroll 2
       for (int it = 0; it < BN * NVEC / PK_DECODE_MMA_THREADS; ++it) {
         const int idx = it * PK_DECODE_MMA_THREADS + threadIdx.x;
         const int row = idx / NVEC, v = idx % NVEC;
-        const int i = tile * BN + row;
-        const bool valid = i < n;
-        int64_t koff = 0, voff = 0;
-        if (valid) {
-          int slot;
-          const int b = bmap.index(static_cast<int>(r.part_start) + i, slot) - first_idx;
-          const int64_t block = s_blocks[b];
-          koff = block * p.k_stride_block + static_cast<int64_t>(slot) * p.k_stride_slot;
-          voff = block * p.v_stride_block + static_cast<int64_t>(slot) * p.v_stride_slot;
-        }
+        const PkRowOffsets off = s_off[stage * BN + row];
+        const bool valid = off.k >= 0;
         const int at = (stage * BN + row) * DP + v * VEC;
-        pk_cp_async16(ks + at, kbase + koff + v * VEC, valid);
-        pk_cp_async16(vs + at, vbase + voff + v * VEC, valid);
+        pk_cp_async16(ks + at, kbase + (valid ? off.k : 0) + v * VEC, valid);
+        pk_cp_async16(vs + at, vbase + (valid ? off.v : 0) + v * VEC, valid);
       }
     }
     pk_cp_async_commit();
@@ -193,6 +210,10 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   for (int tile = 0, stage = 0; tile < num_tiles; ++tile, stage = (stage + 1) % stages) {
     pk_cp_async_wait_upto2(stages - 2);  // this thread's copies of `tile` have landed
     __syncthreads();  // everyone's have; and tile - 1's slot is no longer read by anyone
+    // One thread per row starts reading the block id of tile + stages (used at the end).
+    int64_t next_block = -1;
+    int next_slot = 0;
+    if (threadIdx.x < BN) locate_row(tile + stages, threadIdx.x, next_block, next_slot);
     const T* kt = ks + (stage * BN + warp * 16) * DP;
     const T* vt = vs + (stage * BN + warp * 16) * DP;
 
@@ -280,6 +301,9 @@ pk_decode_mma_kernel(const PkAttnParams p) {
         PkMma<T>::run(o[2 * dp + 1], a, b + 2, o[2 * dp + 1]);
       }
     }
+    // Row offsets of tile + stages into this slot's entry: it was last read when tile's copies
+    // were issued (before the barrier above) and is next read after the next barrier.
+    if (threadIdx.x < BN) s_off[stage * BN + threadIdx.x] = row_offsets(next_block, next_slot);
   }
   pk_cp_async_wait<0>();  // only empty groups remain; nothing may be in flight at exit
   __syncthreads();        // every warp is done with the rings: reuse them for the merge

@@ -262,26 +262,27 @@ def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
 _plans: dict[tuple, AttentionPlan] = {}
 
 
-def _mma_decode_smem(p: AttentionProblem, stages: int, partition: int) -> int:
+def _mma_decode_smem(p: AttentionProblem, stages: int) -> int:
+    """Q tile, the K and V rings, and the rings' row offsets (two int64 per row)."""
     pitch = p.head_size + 8
     tiles = MMA_DECODE_ROWS * pitch + 2 * stages * MMA_DECODE_BN * pitch
-    return p.query.element_size() * tiles + 4 * (partition // p.block_size + 2)
+    return p.query.element_size() * tiles + 16 * stages * MMA_DECODE_BN
 
 
 def _plan_decode_mma(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     rows = min(p.num_queries_per_kv, MMA_DECODE_ROWS)
     chunks = math.ceil(p.num_queries_per_kv / MMA_DECODE_ROWS)
     stages = mma_decode_stages(p.head_size)
-    widest = max(MAX_PARTITION, _forced_partition() or 0)
-    while stages > MMA_DECODE_STAGES[0] and _mma_decode_smem(p, stages, widest) > MAX_SMEM:
+    while stages > MMA_DECODE_STAGES[0] and _mma_decode_smem(p, stages) > MAX_SMEM:
         stages -= 1  # a forced depth that does not fit
-    per_sm = SMEM_PER_SM // (_mma_decode_smem(p, stages, widest) + SMEM_PER_BLOCK_RESERVED)
+    smem = _mma_decode_smem(p, stages)
+    per_sm = SMEM_PER_SM // (smem + SMEM_PER_BLOCK_RESERVED)
     blocks = max(1, min(mma_decode_min_blocks(p.head_size), per_sm))
     ctas = p.num_seqs * p.num_kv_heads * chunks
     size, splits = _waves_partition(p, ctas, blocks * num_sms)
     return AttentionPlan(KERNEL_DECODE_MMA, MMA_DECODE_ROWS, rows, chunks, 1, splits, size,
-                         (p.num_kv_heads * chunks, p.num_seqs, splits),
-                         _mma_decode_smem(p, stages, size), (p.num_heads, p.num_seqs), stages)
+                         (p.num_kv_heads * chunks, p.num_seqs, splits), smem,
+                         (p.num_heads, p.num_seqs), stages)
 
 
 def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
