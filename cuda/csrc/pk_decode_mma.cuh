@@ -193,13 +193,18 @@ pk_decode_mma_kernel(const PkAttnParams p) {
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) load_q(kk, qa[kk]);
   }
-  const float scale = static_cast<float>(p.scale), soft_cap = static_cast<float>(p.soft_cap);
-  float slope[2];
+  // Scores go straight to base 2: logit * log2(e) = s * scale * log2(e) (soft cap: log2(e) *
+  // cap * tanh(s * scale / cap)) + slope * log2(e) * (key position - query position).
+  const float soft_cap = static_cast<float>(p.soft_cap);
+  const float qk_scale = static_cast<float>(p.scale) * (soft_cap > 0.f ? 1.f : LOG2E);
+  const int rel0 = static_cast<int>(r.part_start - r.q_pos);  // key i's position - query's
+  float slope2[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int row = g + 8 * hr;
-    slope[hr] = (p.alibi_slopes != nullptr && row < r.nh)
-                    ? __ldg(static_cast<const float*>(p.alibi_slopes) + r.head0 + row) : 0.f;
+    slope2[hr] = (p.alibi_slopes != nullptr && row < r.nh)
+                     ? LOG2E * __ldg(static_cast<const float*>(p.alibi_slopes) + r.head0 + row)
+                     : 0.f;
   }
 
   float o[DT][4];
@@ -255,10 +260,9 @@ pk_decode_mma_kernel(const PkAttnParams p) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int hr = c / 2, i = key0 + nt * 8 + 2 * tq + (c % 2);
-        float x = -INFINITY;
-        if (i < n)
-          x = LOG2E * pk_transform_score(s[nt][c] * scale, soft_cap, slope[hr],
-                                         r.part_start + i, r.q_pos);
+        float x = s[nt][c] * qk_scale;
+        if (soft_cap > 0.f) x = LOG2E * soft_cap * tanhf(x / soft_cap);
+        x = i < n ? fmaf(slope2[hr], static_cast<float>(rel0 + i), x) : -INFINITY;
         s[nt][c] = x;
         tile_max[hr] = fmaxf(tile_max[hr], x);
       }
@@ -279,10 +283,14 @@ pk_decode_mma_kernel(const PkAttnParams p) {
         s[nt][c] = e;
         l[c / 2] += e;
       }
+    // Rescale O only when some row's max moved (after the first tiles it rarely does; skipping
+    // a multiplication by exactly 1 changes nothing).
+    if (!__all_sync(PK_FULL_MASK, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0];
-      o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
+      for (int dt = 0; dt < DT; ++dt) {
+        o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0];
+        o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
+      }
     }
 
     // O += P V: P's accumulator fragments are the A operand; V's through ldmatrix.trans.
