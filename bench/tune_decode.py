@@ -31,7 +31,7 @@ from bench.ceilings import copy_bandwidth
 SHAPES = [(1, 16384), (32, 1024), (32, 4096), (32, 16384), (128, 4096)]
 VARIANTS = ["triton", "triton:PROGRAMS_PER_SM=8", "triton:PROGRAMS_PER_SM=4",
             "triton:PAGED_KERNELS_TRITON_SPLIT_SIZE=1024",
-            "cuda", "cuda:PAGED_KERNELS_CUDA_DECODE=simt"]
+            "cuda", "cuda:PAGED_KERNELS_CUDA_DECODE_STAGES=3"]
 TRITON_CONSTANTS = ("PROGRAMS_PER_SM", "MIN_SPLIT_TOKENS")
 
 

@@ -47,10 +47,11 @@ def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
     wanted = set()
     for ctype in ops.CTYPES.values():
         for d in head_sizes:
-            wanted |= {f"pk_decode_kernel<{ctype}, {d}, {g}>" for g in ops.GROUP_TILES}
             kind = "simt" if ctype == "float" else "mma"
             wanted.add(f"pk_varlen_{kind}_kernel<{ctype}, {d}>")
-            if ctype != "float":
+            if ctype == "float":
+                wanted |= {f"pk_decode_kernel<{ctype}, {d}, {g}>" for g in ops.GROUP_TILES}
+            else:
                 wanted.add(f"pk_decode_mma_kernel<{ctype}, {d}>")
         wanted.add(f"pk_decode_reduce_kernel<{ctype}>")
     for arch in ("sm_80", "sm_90"):
@@ -74,18 +75,15 @@ def _problem(dtype, heads: tuple[int, int], q_lens, head_size: int = 128, block_
     return pk.abi.check_attention_args(q, cache, cache, tables, seq_lens, cu_seqlens_q=cu)
 
 
-PLANNED = [(dtype, heads, q_lens, decode) for dtype in ("float32", "float16", "bfloat16")
-           for heads in ((4, 4), (8, 4), (6, 2), (8, 1), (64, 2)) for q_lens in (None, [5, 1, 9])
-           for decode in ops.DECODE_KERNELS]
+PLANNED = [(dtype, heads, q_lens) for dtype in ("float32", "float16", "bfloat16")
+           for heads in ((4, 4), (8, 4), (6, 2), (8, 1), (64, 2)) for q_lens in (None, [5, 1, 9])]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("dtype,heads,q_lens,decode", PLANNED)
-def test_every_launch_a_plan_makes_is_compiled(reports, monkeypatch, dtype, heads, q_lens,
-                                               decode) -> None:
+@pytest.mark.parametrize("dtype,heads,q_lens", PLANNED)
+def test_every_launch_a_plan_makes_is_compiled(reports, dtype, heads, q_lens) -> None:
     import torch
 
-    monkeypatch.setenv(ops.DECODE_ENV, decode)
     compiled = {r.name.split("(")[0].replace("void ", "") for r in reports}
     problem = _problem(getattr(torch, dtype), heads, q_lens)
     plan = ops.plan_attention(problem, num_sms=132)
@@ -96,28 +94,28 @@ def test_every_launch_a_plan_makes_is_compiled(reports, monkeypatch, dtype, head
         assert threads == ops.THREADS and min(grid) >= 1 and smem >= 0
 
 
-@pytest.mark.parametrize("decode,kernel", [("mma", "pk_decode_mma_kernel<__nv_bfloat16, 128>"),
-                                           ("simt", "pk_decode_kernel<__nv_bfloat16, 128, 4>")])
-def test_jit_launches_exactly_the_planned_kernels(monkeypatch, decode, kernel) -> None:
-    """jit.JitModule's dispatch, without CuPy or a GPU: the launches it would make."""
+@pytest.mark.parametrize("dtype,kernel,ctype", [
+    ("bfloat16", "pk_decode_mma_kernel<__nv_bfloat16, 128>", "__nv_bfloat16"),
+    ("float32", "pk_decode_kernel<float, 128, 4>", "float")])
+def test_jit_launches_exactly_the_planned_kernels(dtype, kernel, ctype) -> None:
+    """jit.JitModule's dispatch, without CuPy or a GPU: the launches it would make (16-bit
+    decode on the mma kernel, float32 on the SIMT one)."""
     import torch
 
     from cuda.paged_cuda import jit
 
-    monkeypatch.setenv(ops.DECODE_ENV, decode)
     module = jit.JitModule.__new__(jit.JitModule)
     calls = []
     module._run = lambda header, name, grid, threads, smem, stream, params: calls.append(
         (header, name, grid, smem))
-    problem = _problem(torch.bfloat16, (32, 8), None)
+    problem = _problem(getattr(torch, dtype), (32, 8), None)
     plan = ops.plan_attention(problem, num_sms=132)
     values = ops._attn_values(problem, plan, problem.query, problem.key_cache,
                               problem.value_cache, problem.out, None)
     module.paged_attention(ops.pack("attn", values), 0)
     expected = [("pk_decode.cuh", kernel, plan.grid, plan.smem_bytes)]
     if plan.num_splits > 1:
-        expected.append(("pk_decode.cuh", "pk_decode_reduce_kernel<__nv_bfloat16>",
-                         (32, 3, 1), 0))
+        expected.append(("pk_decode.cuh", f"pk_decode_reduce_kernel<{ctype}>", (32, 3, 1), 0))
     assert calls == expected
 
 
@@ -146,20 +144,14 @@ def test_params_layout_is_read_from_the_header() -> None:
     assert ops.unpack("attn", ops.pack("attn", values)) == values
 
 
-def test_decode_kernel_choice() -> None:
-    """mma by default for 16-bit types, SIMT for float32 whatever is asked, and a clear error
-    for an unknown choice."""
+def test_decode_kernel_per_dtype() -> None:
+    """Decode of 16-bit types plans the mma kernel, float32 the SIMT one."""
     import torch
 
-    assert ops._decode_kernel_choice(torch.bfloat16) == "mma"
-    assert ops._decode_kernel_choice(torch.float32) == "simt"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ops.DECODE_ENV, "simt")
-        assert ops._decode_kernel_choice(torch.float16) == "simt"
-        mp.setenv(ops.DECODE_ENV, "fast")
-        with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE: expected one of mma, "
-                                             "simt, got 'fast'"):
-            ops._decode_kernel_choice(torch.float16)
+    for dtype, kernel in [(torch.float16, ops.KERNEL_DECODE_MMA),
+                          (torch.bfloat16, ops.KERNEL_DECODE_MMA),
+                          (torch.float32, ops.KERNEL_DECODE)]:
+        assert ops.plan_attention(_problem(dtype, (32, 8), None), num_sms=132).kernel == kernel
 
 
 def test_decode_mma_shared_memory_fits_every_head_size(monkeypatch) -> None:

@@ -89,19 +89,18 @@ def test_decode_split_k(monkeypatch, partition):
     check(case, torch.bfloat16, sliding_window=40, soft_cap=5.0)
 
 
-@pytest.mark.parametrize("decode", ["mma", "simt"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["mma", "simt"])
 @pytest.mark.parametrize("head_size,block_size", [(80, 24), (256, 8), (112, 64)])
-def test_decode_kernels_head_and_block_sizes(monkeypatch, decode, head_size, block_size):
-    """Both decode kernels for 16-bit types (PAGED_KERNELS_CUDA_DECODE) on head sizes that are
-    not powers of two or need two ring stages, block sizes that are not, a partial last K/V
-    tile, a GQA group of 32 (two mma row chunks), split-K, and every feature."""
-    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE", decode)
+def test_decode_kernels_head_and_block_sizes(monkeypatch, dtype, head_size, block_size):
+    """Both decode kernels (mma for 16-bit types, SIMT for float32) on head sizes that are not
+    powers of two or that reload Q per tile, block sizes that are not powers of two, a partial
+    last K/V tile, a GQA group of 32 (two mma row chunks), split-K, and every feature."""
     monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "64")
     slopes = torch.tensor([2.0 ** (-(h % 8 + 1)) for h in range(32)], dtype=torch.float32)
     case = make_case([1, 64, 65, 150], None, heads=32, kv_heads=1, head_size=head_size,
-                     block_size=block_size, dtype=torch.float16, seed=head_size, strided=True)
-    check(case, torch.float16)
-    check(case, torch.float16, sliding_window=70, soft_cap=4.0, alibi_slopes=slopes)
+                     block_size=block_size, dtype=dtype, seed=head_size, strided=True)
+    check(case, dtype)
+    check(case, dtype, sliding_window=70, soft_cap=4.0, alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("stages", ["2", "3", "4"])
@@ -115,29 +114,29 @@ def test_decode_mma_ring_depths(monkeypatch, stages):
     check(case, torch.bfloat16)
 
 
-@pytest.mark.parametrize("decode", ["mma", "simt"])
-def test_decode_cache_offsets_past_int32(monkeypatch, decode):
-    """A cache whose block stride puts block 2 at element 2^32 + 2048: offsets computed in 32
-    bits would wrap to the wrong rows. The storage is allocated but only the three blocks are
-    touched (untouched pages are never committed); slots past seq_len are NaN."""
-    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE", decode)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["mma", "simt"])
+def test_decode_cache_offsets_past_int32(dtype):
+    """A cache whose block stride puts block 2 at element 2^32 + 2048 (both decode kernels):
+    offsets computed in 32 bits would wrap to the wrong rows. The storage is allocated but only
+    the three blocks are touched (untouched pages are never committed); slots past seq_len are
+    NaN."""
     kv, bs, d, seq_len = 2, 16, 64, 27
     stride = 2 ** 31 + 1024
     g = torch.Generator().manual_seed(11)
     views, dense = [], []
     for _ in range(2):  # K, V
-        storage = torch.empty(2 * stride + kv * bs * d, dtype=torch.bfloat16)
+        storage = torch.empty(2 * stride + kv * bs * d, dtype=dtype)
         view = storage.as_strided((3, kv, bs, d), (stride, bs * d, d, 1))
-        data = torch.randn(3, kv, bs, d, generator=g).to(torch.bfloat16)
+        data = torch.randn(3, kv, bs, d, generator=g).to(dtype)
         data[1, :, seq_len - bs:] = math.nan  # block 1 holds positions 16..31
         view.copy_(data)
         views.append(view)
         dense.append(torch.cat([data[2], data[1]], dim=1)[:, :seq_len].transpose(0, 1))
-    q = torch.randn(1, 8, d, generator=g).to(torch.bfloat16)
+    q = torch.randn(1, 8, d, generator=g).to(dtype)
     out = pk.paged_attention(q, views[0], views[1], torch.tensor([[2, 1]], dtype=torch.int32),
                              torch.tensor([seq_len], dtype=torch.int32), backend=BACKEND)
     want, _ = attention_oracle(q, [dense[0]], [dense[1]], [1])
-    assert rel_error(out, want) <= TOL[torch.bfloat16]
+    assert rel_error(out, want) <= TOL[dtype]
 
 
 def test_decode_group_tiles():
@@ -192,14 +191,12 @@ def test_out_strided_and_only_out_written():
 
 # ---- synchronisation: results independent of the thread schedule ----
 
-@pytest.mark.parametrize("kind", ["decode-split", "decode-simt-split", "varlen-mma",
+@pytest.mark.parametrize("kind", ["decode-mma-split", "decode-simt-split", "varlen-mma",
                                   "varlen-simt"])
 def test_results_bit_identical_under_every_schedule(monkeypatch, kind):
     monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "32" if kind == "decode-simt-split"
                        else "128")
-    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE", "simt" if kind == "decode-simt-split"
-                       else "mma")
-    dtype = torch.float32 if kind == "varlen-simt" else torch.bfloat16
+    dtype = torch.float32 if "simt" in kind else torch.bfloat16
     decode = kind.startswith("decode")
     q_lens = None if decode else MIXED[1]
     seq_lens = [300, 90, 33, 1] if decode else MIXED[0]

@@ -58,14 +58,19 @@ const char* pk_launch_decode_mma(const PkAttnParams& p, void* stream) {
   }
 }
 
+// The SIMT decode kernel is float32's; 16-bit types run pk_decode_mma_kernel.
 template <typename T, int D>
 const char* pk_launch_decode_group(const PkAttnParams& p, void* stream) {
-  switch (p.group_tile) {
-    case 1: return pk_launch_decode<T, D, 1>(p, stream);
-    case 2: return pk_launch_decode<T, D, 2>(p, stream);
-    case 4: return pk_launch_decode<T, D, 4>(p, stream);
-    case 8: return pk_launch_decode<T, D, 8>(p, stream);
-    default: return "decode: group_tile must be 1, 2, 4 or 8";
+  if constexpr (sizeof(T) == 4) {
+    switch (p.group_tile) {
+      case 1: return pk_launch_decode<T, D, 1>(p, stream);
+      case 2: return pk_launch_decode<T, D, 2>(p, stream);
+      case 4: return pk_launch_decode<T, D, 4>(p, stream);
+      case 8: return pk_launch_decode<T, D, 8>(p, stream);
+      default: return "decode: group_tile must be 1, 2, 4 or 8";
+    }
+  } else {
+    return "decode: the SIMT kernel takes float32 only (16-bit types run the mma kernel)";
   }
 }
 

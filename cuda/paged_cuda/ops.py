@@ -54,10 +54,6 @@ MIN_PARTITION, MAX_PARTITION, DEFAULT_PARTITION = 64, 2048, 1024  # 1024: best m
 MAX_SPLITS = 64
 #: Forces the decode partition size (a multiple of 16 >= 16), for tests of the split-K path.
 PARTITION_ENV = "PAGED_KERNELS_CUDA_PARTITION"
-#: The decode kernel for float16/bfloat16: "mma" (pk_decode_mma_kernel, the default) or "simt"
-#: (pk_decode_kernel, kept selectable until a GPU run has timed both). float32 always runs simt.
-DECODE_ENV = "PAGED_KERNELS_CUDA_DECODE"
-DECODE_KERNELS = ("mma", "simt")
 MMA_DECODE_ROWS, MMA_DECODE_BN = 16, 64  # PK_DECODE_MMA_ROWS, PK_DECODE_MMA_BN
 #: Dynamic shared memory one block may have on every supported GPU (sm_80: 163 KiB).
 MAX_SMEM = 163 * 1024
@@ -90,13 +86,6 @@ def mma_decode_min_blocks(head_size: int) -> int:
     """Blocks per SM the mma decode kernel's registers allow (pk_decode_mma_min_blocks)."""
     return 4 if head_size <= 64 else 3 if head_size <= 128 else 2 if head_size <= 192 else 1
 
-
-def _decode_kernel_choice(dtype: torch.dtype) -> str:
-    choice = os.environ.get(DECODE_ENV) or "mma"
-    if choice not in DECODE_KERNELS:
-        raise ValueError(f"{DECODE_ENV}: expected one of {', '.join(DECODE_KERNELS)}, "
-                         f"got {choice!r}")
-    return "simt" if dtype == torch.float32 else choice
 
 
 def support(device_types: Sequence[str], head_sizes: Sequence[int] = HEAD_SIZES) -> Support:
@@ -249,7 +238,7 @@ def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     shapes it depends on: planning runs once per step shape, not once per layer)."""
     key = (p.is_decode, p.num_queries_per_kv, p.query.dtype, p.head_size, p.num_seqs,
            p.num_kv_heads, p.num_heads, p.num_tokens, p.block_tables.shape[1], p.block_size,
-           p.sliding_window, num_sms, os.environ.get(PARTITION_ENV), os.environ.get(DECODE_ENV),
+           p.sliding_window, num_sms, os.environ.get(PARTITION_ENV),
            os.environ.get(STAGES_ENV))
     plan = _plans.get(key)
     if plan is None:
@@ -287,7 +276,7 @@ def _plan_decode_mma(p: AttentionProblem, num_sms: int) -> AttentionPlan:
 
 def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     group = p.num_queries_per_kv
-    if p.is_decode and _decode_kernel_choice(p.query.dtype) == "mma":
+    if p.is_decode and p.query.dtype != torch.float32:  # tensor cores; float32 runs SIMT
         return _plan_decode_mma(p, num_sms)
     if p.is_decode:
         tile = _pow2_at_least(min(group, GROUP_TILES[-1]), GROUP_TILES)
