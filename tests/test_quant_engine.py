@@ -100,6 +100,17 @@ def test_quantization_option_is_checked():
     assert not _gguf_quantization_applies("none", torch.float32, "cpu")
 
 
+def test_auto_needs_the_simd_kernel(monkeypatch):
+    """`auto` turns the blocks on only where the kernel has its measured AVX-512 path; `gguf`
+    takes the portable one too."""
+    import engine.model.quant as quant
+    from engine.native_build import compile_flags, load_quant
+
+    monkeypatch.setattr(quant, "_extension", load_quant(compile_flags(frozenset())))
+    assert not _gguf_quantization_applies("auto", torch.bfloat16, "cpu")
+    assert _gguf_quantization_applies("gguf", torch.bfloat16, "cpu")
+
+
 def test_gguf_quantization_of_a_hugging_face_directory_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="quantization: 'gguf' reads a .gguf model"):

