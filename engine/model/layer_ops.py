@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from paged_kernels.cpp_build import BuildFailed, cpu_flags, load
 
-__all__ = ["add_rms_norm_", "rms_norm", "rotary_", "silu_mul", "native"]
+__all__ = ["add_rms_norm_", "rms_norm", "rotary_", "silu_mul", "warm_blocks", "native"]
 
 SOURCE = Path(__file__).resolve().parent / "layer_ops.cpp"
 ENV = "PK_ENGINE_LAYER_OPS"
@@ -38,6 +38,8 @@ _RECIP = ["-freciprocal-math", "-mrecip"]
 
 #: False runs the PyTorch versions everywhere (read once: the ops are called ~150 times a step).
 use_native = os.environ.get(ENV) != "torch"
+#: Whether the model reads a decode step's K/V blocks into cache before each attention.
+warm_kv = True
 _module: Optional[ModuleType] = None
 _tried = False
 
@@ -107,6 +109,19 @@ def rotary_(x: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Ten
     half = x.shape[-1] // 2
     swapped = torch.cat((part[..., half:], part[..., :half]), dim=-1)
     part.copy_(part * c + swapped * s)
+
+
+def warm_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                block_ids: torch.Tensor) -> Optional[int]:
+    """Reads blocks `block_ids` (int64 `[n]`; ids out of range are skipped) of both caches into
+    the CPU's caches, one load per 64-byte line, so that the attention call that follows finds
+    its K/V there: in decode, every layer's K/V comes from memory, and the attention kernel's own
+    scattered loads are slower than this sequential sweep (docs/serving.md). Returns the sum of
+    the bytes read, or None where there is nothing to do (not on a CPU, no extension)."""
+    ops = native() if key_cache.device.type == "cpu" else None
+    if ops is None:
+        return None
+    return ops.warm_blocks(key_cache, value_cache, block_ids)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -155,30 +155,35 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = param(h, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rotary: Rotary,
-                kv_cache: KVCache, attn: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: KVCache, attn: AttentionPlan,
+                kv_blocks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden` `[T, hidden_size]` is the previous block's output before its residual add,
         `residual` the residual stream (None for the first block, whose `hidden` is the
         embeddings). Returns `(output, residual)` the same way (the residual is updated in
         place, so each add is fused with the next norm); writes this step's K/V to `kv_cache`
-        at the plan's slots."""
+        at the plan's slots. `kv_blocks` (from the metadata) are read into the CPU's caches
+        just before the attention."""
         if residual is None:
             residual = hidden
             x = layer_ops.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
             x = layer_ops.add_rms_norm_(residual, hidden, self.input_layernorm, self.eps)
-        x = layer_ops.add_rms_norm_(residual, self._attention(x, rotary, kv_cache, attn),
+        x = layer_ops.add_rms_norm_(residual,
+                                    self._attention(x, rotary, kv_cache, attn, kv_blocks),
                                     self.post_attention_layernorm, self.eps)
         gate_up = _linear(x, self.gate_up_proj)
         return _linear(layer_ops.silu_mul(gate_up), self.down_proj), residual
 
     def _attention(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
-                   attn: AttentionPlan) -> torch.Tensor:
+                   attn: AttentionPlan, kv_blocks: Optional[torch.Tensor]) -> torch.Tensor:
         num_tokens, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = _linear(x, self.qkv_proj).view(num_tokens, -1, self.head_dim)
         layer_ops.rotary_(qkv, nh + nkv, *rotary)  # q and k, in place (qkv is ours)
         # strided row views: write_kv honours any strides with a contiguous last dimension
         k_cache, v_cache = kv_cache
         attn.write_kv(qkv[:, nh:nh + nkv], qkv[:, nh + nkv:], k_cache, v_cache)
+        if kv_blocks is not None and layer_ops.warm_kv:
+            layer_ops.warm_blocks(k_cache, v_cache, kv_blocks)
         out = attn.run(qkv[:, :nh], k_cache, v_cache)
         return _linear(out.reshape(num_tokens, -1), self.o_proj)
 
@@ -225,7 +230,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             # .forward: no module hooks are used, and nn.Module.__call__ costs ~3 us a layer
-            hidden, residual = layer.forward(hidden, residual, rotary, kv_cache, attn)
+            hidden, residual = layer.forward(hidden, residual, rotary, kv_cache, attn,
+                                             meta.kv_blocks)
         return layer_ops.add_rms_norm_(residual, hidden, self.norm, self.config.rms_norm_eps)
 
     def plan_attention(self, meta: AttentionMetadata, num_tokens: int,
