@@ -4,8 +4,9 @@ engine's quantized matmul shares).
 The build goes to torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
 `~/.cache/torch_extensions`) under a name keyed on the source's hash and the SIMD flags, so a
 machine with other CPU features, or an edited source, gets its own build. Flags: `-O3`, OpenMP,
-and `-mavx2 -mfma -mf16c` only when /proc/cpuinfo lists all three (never `-march=native`, so the
-cached build also runs on the CPUs that key names).
+`-mavx2 -mfma -mf16c` only when /proc/cpuinfo lists all three, and the AVX-512 F/BW/DQ/VL/BF16
+flags only when it lists those too (never `-march=native`, so the cached build also runs on the
+CPUs that key names).
 """
 
 from __future__ import annotations
@@ -20,13 +21,18 @@ __all__ = ["SOURCE", "BuildFailed", "cpu_flags", "compile_flags", "extension_nam
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
 _SIMD = ("avx2", "fma", "f16c")
+#: /proc/cpuinfo names of the AVX-512 subsets the AVX-512 path uses (on top of _SIMD).
+_AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")
 
 
 def compile_flags(flags: frozenset[str]) -> list[str]:
-    """C++ flags for a CPU with feature `flags`: SIMD only when every one of _SIMD is present."""
+    """C++ flags for a CPU with feature `flags`: AVX2 only when every one of _SIMD is present, and
+    AVX-512 (with avx512_bf16's vdpbf16ps) only when, in addition, every one of _AVX512 is."""
     base = ["-O3", "-fopenmp", "-std=c++17"]
     if all(f in flags for f in _SIMD):
         base += ["-mavx2", "-mfma", "-mf16c"]
+        if all(f in flags for f in _AVX512):
+            base += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16"]
     return base
 
 

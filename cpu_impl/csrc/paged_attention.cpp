@@ -24,9 +24,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -75,6 +76,59 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+#if defined(PK_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512BF16__)
+#define PK_AVX512 1
+// Sixteen consecutive elements widened to float32 (bf16: a 16-bit shift, exact).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lane i of the result = sum of the 16 lanes of a[i]. Three rounds of pairwise shuffles and adds
+// halve the partial sums per row each time; the last round leaves the rows in the order ROW_AT,
+// which one permute puts back.
+inline __m512 reduce16(const __m512* a) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: rows i (low) and i + 8 (high), 8 partials each
+    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44),
+                          _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit chunks: rows i, i + 8, i + 4, i + 12, 4 partials each
+    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[i], s1[i + 4], 0x88),
+                          _mm512_shuffle_f32x4(s1[i], s1[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)  // per chunk: 2 partials of a row of s2[i], then of s2[i + 2]
+    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(s2[i], s2[i + 2], 0x88),
+                          _mm512_shuffle_ps(s2[i], s2[i + 2], 0xDD));
+  __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88),
+                           _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+  // r's lanes hold rows 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15; lane j of the result takes row j.
+  const __m512i where = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(where, r);
+}
+
+// Raw bf16 dot products of NR query rows (q, rows d apart) with 4 key rows, pairs of bf16 products
+// summed in float32 by vdpbf16ps (each product of two bf16 is exact in float32). d % 32 == 0.
+// out[i * 4 + j] = dot(q[i], k[j]); lanes from 4 * NR on are 0.
+template <int NR>
+inline __m512 dots_bf16(const at::BFloat16* q, const at::BFloat16* const* k, int d) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int x = 0; x < d; x += 32) {
+    __m512bh kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(k[j] + x);
+    for (int i = 0; i < NR; ++i) {
+      __m512bh qv = (__m512bh)_mm512_loadu_si512(q + i * d + x);
+      for (int j = 0; j < 4; ++j) acc[i * 4 + j] = _mm512_dpbf16_ps(acc[i * 4 + j], qv, kv[j]);
+    }
+  }
+  return reduce16(acc);
 }
 #endif
 
@@ -220,7 +274,7 @@ struct Problem {
 };
 
 struct Item {
-  int32_t seq, kv_head;
+  int32_t seq, kv_head, kv_heads;  // KV heads [kv_head, kv_head + kv_heads)
   int64_t row0, rows;     // query rows [row0, row0 + rows) of the sequence (token index = q0 + row)
   int64_t q0, q_len, seq_len;
 };
@@ -260,15 +314,27 @@ bool contents_valid(const Problem& p) {
   return true;
 }
 
+// KV heads per item: all of them in a decode batch of at least MIN_SEQS_ALL_HEADS sequences (each
+// block's K and V are then read as whole [num_kv_heads, block_size, head_size] runs, and there are
+// still enough items for the threads); one otherwise (prefill tiles, small decode batches). The
+// choice depends on the problem only, never on the thread count.
+constexpr int64_t MIN_SEQS_ALL_HEADS = 4;
+
+int64_t heads_per_item(const Problem& p) {
+  return p.cu_seqlens_q == nullptr && p.num_seqs >= MIN_SEQS_ALL_HEADS ? p.num_kv_heads : 1;
+}
+
 std::vector<Item> plan(const Problem& p, int64_t tile) {
   std::vector<Item> items;
+  const int64_t nh = heads_per_item(p);
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     int64_t q0, q_len, seq_len;
     seq_extent(p, s, q0, q_len, seq_len);
     for (int64_t r = 0; r < q_len; r += tile)
-      for (int64_t h = 0; h < p.num_kv_heads; ++h)
-        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), r,
-                         std::min(tile, q_len - r), q0, q_len, seq_len});
+      for (int64_t h = 0; h < p.num_kv_heads; h += nh)
+        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h),
+                         static_cast<int32_t>(nh), r, std::min(tile, q_len - r), q0, q_len,
+                         seq_len});
   }
   // Longest causal tiles first, so the dynamic schedule ends balanced.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
@@ -281,12 +347,14 @@ std::vector<Item> plan(const Problem& p, int64_t tile) {
 template <typename T>
 struct Scratch {
   std::vector<float> q, acc, scores, m, l, kf, vf;
+  std::vector<T> qraw;                 // unscaled queries (the bf16 dot-product path)
   std::vector<int64_t> pos;
-  std::vector<const T*> kp, vp;     // this chunk's K/V row pointers in the caches
+  std::vector<const T*> kp, vp;        // K/V row pointers of the chunk: KEY_CHUNK per KV head
   std::vector<const float*> kfp, vfp;  // rows of kf / vf
-  Scratch(int rows, int d) : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows),
-                             l(rows), kf(KEY_CHUNK * d), vf(KEY_CHUNK * d), pos(rows), kp(KEY_CHUNK),
-                             vp(KEY_CHUNK), kfp(KEY_CHUNK), vfp(KEY_CHUNK) {}
+  Scratch(int rows, int d, int heads)
+      : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows), l(rows),
+        kf(KEY_CHUNK * d), vf(KEY_CHUNK * d), qraw(rows * d), pos(rows),
+        kp(KEY_CHUNK * heads), vp(KEY_CHUNK * heads), kfp(KEY_CHUNK), vfp(KEY_CHUNK) {}
 };
 
 template <typename T>
@@ -295,30 +363,38 @@ class ItemKernel {
   ItemKernel(const Problem& p, const T* q, const T* k, const T* v, T* out, const Item& it,
              Scratch<T>& sc)
       : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
-        g_(p.group()), rows_(static_cast<int>(it.rows) * g_) {}
+        g_(p.group()), rh_(static_cast<int>(it.rows) * g_), nh_(it.kv_heads), rows_(rh_ * nh_) {}
 
   void run() {
     load_queries();
     int64_t lo, hi;  // keys [lo, hi) visible to at least one row
     key_range(lo, hi);
-    for (int64_t c = lo; c < hi; c += KEY_CHUNK) chunk(c, std::min<int64_t>(hi, c + KEY_CHUNK));
+    prefetch(lo, std::min<int64_t>(hi, lo + KEY_CHUNK));
+    for (int64_t c = lo; c < hi; c += KEY_CHUNK) {
+      const int64_t c1 = std::min<int64_t>(hi, c + KEY_CHUNK);
+      prefetch(c1, std::min<int64_t>(hi, c1 + KEY_CHUNK));  // the next chunk, while this one runs
+      chunk(c, c1);
+    }
     store();
   }
 
  private:
-  // Row r = (tile row t, group member g) at r = t * G + g; query head = kv_head * G + g.
-  int64_t token(int r) const { return it_.q0 + it_.row0 + r / g_; }
-  int64_t head(int r) const { return static_cast<int64_t>(it_.kv_head) * g_ + r % g_; }
+  // Row r = (KV head hh of the item, tile row t, group member g) at r = hh * RH + t * G + g, with
+  // RH = tile * G rows per KV head; query head = (kv_head + hh) * G + g.
+  int64_t token(int r) const { return it_.q0 + it_.row0 + (r % rh_) / g_; }
+  int64_t head(int r) const { return (static_cast<int64_t>(it_.kv_head) + r / rh_) * g_ + r % g_; }
 
   void load_queries() {
     for (int r = 0; r < rows_; ++r) {
+      const T* src = q_ + token(r) * p_.q_s0 + head(r) * p_.q_s1;
       float* dst = &sc_.q[r * d_];
-      to_float(q_ + token(r) * p_.q_s0 + head(r) * p_.q_s1, dst, d_);
+      to_float(src, dst, d_);
       for (int i = 0; i < d_; ++i) dst[i] *= p_.scale;
+      std::copy_n(src, d_, &sc_.qraw[r * d_]);
       std::fill_n(&sc_.acc[r * d_], d_, 0.f);
       sc_.m[r] = NEG_INF;
       sc_.l[r] = 0.f;
-      sc_.pos[r] = it_.seq_len - it_.q_len + it_.row0 + r / g_;
+      sc_.pos[r] = it_.seq_len - it_.q_len + it_.row0 + (r % rh_) / g_;
     }
   }
 
@@ -331,55 +407,127 @@ class ItemKernel {
   }
 
   // Row pointers of K and V for positions [c0, c0 + n), walking the block table (no division per
-  // key). Block ids were validated by contents_valid.
+  // key): kp[hh * KEY_CHUNK + jj] for KV head kv_head + hh. Block ids were validated by
+  // contents_valid.
   void locate(int64_t c0, int n) {
     int64_t b = c0 / p_.block_size, off = c0 % p_.block_size;
     const int32_t* table = p_.block_tables + it_.seq * p_.max_blocks;
     for (int jj = 0; jj < n; ++jj) {
       int64_t id = table[b];
-      sc_.kp[jj] = k_ + id * p_.k_s0 + it_.kv_head * p_.k_s1 + off * p_.k_s2;
-      sc_.vp[jj] = v_ + id * p_.v_s0 + it_.kv_head * p_.v_s1 + off * p_.v_s2;
+      const T* k = k_ + id * p_.k_s0 + it_.kv_head * p_.k_s1 + off * p_.k_s2;
+      const T* v = v_ + id * p_.v_s0 + it_.kv_head * p_.v_s1 + off * p_.v_s2;
+      for (int hh = 0; hh < nh_; ++hh) {
+        sc_.kp[hh * KEY_CHUNK + jj] = k + hh * p_.k_s1;
+        sc_.vp[hh * KEY_CHUNK + jj] = v + hh * p_.v_s1;
+      }
       if (++off == p_.block_size) {
         off = 0;
         ++b;
       }
     }
-    for (int jj = n; jj < (n + 7) / 8 * 8; ++jj) {  // padding for the 8-key score kernels
-      sc_.kp[jj] = sc_.kp[0];
-      sc_.vp[jj] = sc_.vp[0];
+    for (int hh = 0; hh < nh_; ++hh)  // padding for the 8-key score kernels
+      for (int jj = n; jj < (n + 7) / 8 * 8; ++jj) {
+        sc_.kp[hh * KEY_CHUNK + jj] = sc_.kp[hh * KEY_CHUNK];
+        sc_.vp[hh * KEY_CHUNK + jj] = sc_.vp[hh * KEY_CHUNK];
+      }
+  }
+
+  // Asks the memory system for the K and V rows of positions [c0, c1) of the item's KV heads
+  // (every cache line of each row), so that the DRAM reads of the next chunk overlap the
+  // arithmetic of this one instead of stalling on each line in turn.
+  void prefetch(int64_t c0, int64_t c1) const {
+    if (c0 >= c1) return;
+    constexpr int64_t LINE = 64;
+    const int64_t row_bytes = d_ * static_cast<int64_t>(sizeof(T));
+    const int32_t* table = p_.block_tables + it_.seq * p_.max_blocks;
+    int64_t b = c0 / p_.block_size, off = c0 % p_.block_size;
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t id = table[b];
+      for (int hh = 0; hh < nh_; ++hh) {
+        const char* k = reinterpret_cast<const char*>(
+            k_ + id * p_.k_s0 + (it_.kv_head + hh) * p_.k_s1 + off * p_.k_s2);
+        const char* v = reinterpret_cast<const char*>(
+            v_ + id * p_.v_s0 + (it_.kv_head + hh) * p_.v_s1 + off * p_.v_s2);
+        for (int64_t x = 0; x < row_bytes; x += LINE) {
+          __builtin_prefetch(k + x);
+          __builtin_prefetch(v + x);
+        }
+      }
+      if (++off == p_.block_size) {
+        off = 0;
+        ++b;
+      }
     }
   }
 
+  // All KV heads of the item go through each chunk together, so a block's K (then V) rows of
+  // every head are read as one contiguous run.
   void chunk(int64_t c0, int64_t c1) {
     const int n = static_cast<int>(c1 - c0);
     locate(c0, n);
-    if (rows_ <= 4) {  // decode: K widened straight from the cache
-      compute_scores(sc_.kp.data(), n);
-    } else {  // many rows: each K row widened once into kf, then reused by every row pair
-      float* kf = sc_.kf.data();
-      for (int jj = 0; jj < n; ++jj) {
-        to_float(sc_.kp[jj], kf + jj * d_, d_);
-        sc_.kfp[jj] = kf + jj * d_;
-      }
-      for (int jj = n; jj < (n + 7) / 8 * 8; ++jj) sc_.kfp[jj] = kf;
-      compute_scores(sc_.kfp.data(), n);
-    }
+    for (int hh = 0; hh < nh_; ++hh) head_scores(hh, n);
     for (int r = 0; r < rows_; ++r) finish_scores(r, c0, n);
     softmax_step(n);
-    accumulate_values(n);
+    for (int hh = 0; hh < nh_; ++hh) accumulate_values(hh, n);
   }
 
-  // Raw scores q . k for every row and key of the chunk; key rows are padded to a multiple of 8
-  // with valid rows (their scores are never used).
+  // Raw scores of the rows of KV head hh: with at most 4 rows per head (decode) K is read straight
+  // from the cache; with more, each K row is widened once into kf and reused by every row pair.
+  void head_scores(int hh, int n) {
+    const T* const* krows = &sc_.kp[hh * KEY_CHUNK];
+    if (rh_ <= 4) {
+      if (!dot_scores(hh, krows, n)) compute_scores(hh * rh_, krows, n);
+      return;
+    }
+    float* kf = sc_.kf.data();
+    for (int jj = 0; jj < n; ++jj) {
+      to_float(krows[jj], kf + jj * d_, d_);
+      sc_.kfp[jj] = kf + jj * d_;
+    }
+    for (int jj = n; jj < (n + 7) / 8 * 8; ++jj) sc_.kfp[jj] = kf;
+    compute_scores(hh * rh_, sc_.kfp.data(), n);
+  }
+
+  // The bf16 path of head_scores on CPUs with avx512_bf16: the unscaled bf16 query against the
+  // bf16 keys with vdpbf16ps (exact products, float32 sums), then the scale. Returns false, having
+  // done nothing, where it does not apply (other dtypes, d % 32 != 0, no AVX-512 build).
   template <typename S>
-  void compute_scores(const S* const* krows, int n) {
+  bool dot_scores(int hh, const S* const* krows, int n) {
+#if defined(PK_AVX512)
+    if constexpr (std::is_same_v<S, at::BFloat16>) {
+      if (d_ % 32 != 0) return false;
+      const int r0 = hh * rh_;
+      const S* q = &sc_.qraw[r0 * d_];
+      alignas(64) float part[16];
+      for (int jj = 0; jj < n; jj += 4) {
+        switch (rh_) {
+          case 4: _mm512_store_ps(part, dots_bf16<4>(q, krows + jj, d_)); break;
+          case 3: _mm512_store_ps(part, dots_bf16<3>(q, krows + jj, d_)); break;
+          case 2: _mm512_store_ps(part, dots_bf16<2>(q, krows + jj, d_)); break;
+          default: _mm512_store_ps(part, dots_bf16<1>(q, krows + jj, d_)); break;
+        }
+        for (int i = 0; i < rh_; ++i)
+          for (int j = 0; j < 4; ++j) sc_.scores[(r0 + i) * KEY_CHUNK + jj + j] = part[i * 4 + j] * p_.scale;
+      }
+      return true;
+    }
+#endif
+    (void)hh, (void)krows, (void)n;
+    return false;
+  }
+
+  // Raw scores q . k for rows [r0, r0 + rh_) and every key of the chunk; key rows are padded to a
+  // multiple of 8 with valid rows (their scores are never used).
+  template <typename S>
+  void compute_scores(int r0, const S* const* krows, int n) {
     float* S_ = sc_.scores.data();
-    int r = 0;
-    for (; r + 2 <= rows_; r += 2)
+    const int r1 = r0 + rh_;
+    int r = r0;
+    for (; r + 2 <= r1; r += 2)
       for (int jj = 0; jj < n; jj += 4)
         scores2x4(&sc_.q[r * d_], &sc_.q[(r + 1) * d_], krows + jj, d_, S_ + r * KEY_CHUNK + jj,
                   S_ + (r + 1) * KEY_CHUNK + jj);
-    if (r < rows_)
+    if (r < r1)
       for (int jj = 0; jj < n; jj += 8)
         scores8(&sc_.q[r * d_], krows + jj, d_, S_ + r * KEY_CHUNK + jj);
   }
@@ -426,18 +574,20 @@ class ItemKernel {
   // acc[r] += sum_j w[r][j] * V[j] over the chunk, rows in groups of up to 4 whose 8-float slices
   // of acc stay in registers across the chunk's keys. With at most 4 rows (decode) V is widened
   // straight from the cache; otherwise each V row is widened once into vf and reused per group.
-  void accumulate_values(int n) {
-    if (rows_ <= 4) {
-      accumulate_group(0, rows_, n, sc_.vp.data());
+  void accumulate_values(int hh, int n) {
+    const T* const* vrows = &sc_.vp[hh * KEY_CHUNK];
+    const int first = hh * rh_;
+    if (rh_ <= 4) {
+      accumulate_group(first, rh_, n, vrows);
       return;
     }
     float* vf = sc_.vf.data();
     for (int jj = 0; jj < n; ++jj) {
-      to_float(sc_.vp[jj], vf + jj * d_, d_);
+      to_float(vrows[jj], vf + jj * d_, d_);
       sc_.vfp[jj] = vf + jj * d_;
     }
-    for (int r0 = 0; r0 < rows_; r0 += 4)
-      accumulate_group(r0, std::min(4, rows_ - r0), n, sc_.vfp.data());
+    for (int r0 = first; r0 < first + rh_; r0 += 4)
+      accumulate_group(r0, std::min(4, first + rh_ - r0), n, sc_.vfp.data());
   }
 
   template <typename S>
@@ -455,6 +605,18 @@ class ItemKernel {
     const float* w = &sc_.scores[r0 * KEY_CHUNK];
     float* acc = &sc_.acc[r0 * d_];
     int x = 0;
+#if defined(PK_AVX512)
+    for (; x + 16 <= d_; x += 16) {
+      __m512 a[NR];
+      for (int i = 0; i < NR; ++i) a[i] = _mm512_loadu_ps(acc + i * d_ + x);
+      for (int jj = 0; jj < n; ++jj) {
+        __m512 v = load16(vrows[jj] + x);
+        for (int i = 0; i < NR; ++i)
+          a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i * KEY_CHUNK + jj]), v, a[i]);
+      }
+      for (int i = 0; i < NR; ++i) _mm512_storeu_ps(acc + i * d_ + x, a[i]);
+    }
+#endif
 #if defined(PK_SIMD)
     for (; x + 8 <= d_; x += 8) {
       __m256 a[NR];
@@ -493,7 +655,7 @@ class ItemKernel {
   T* out_;
   const Item& it_;
   Scratch<T>& sc_;
-  const int d_, g_, rows_;
+  const int d_, g_, rh_, nh_, rows_;  // rows per KV head, KV heads, rows of the item
 };
 
 template <typename T>
@@ -504,12 +666,13 @@ void run_items(const Problem& p, const at::Tensor& query, const at::Tensor& key_
   const T* k = key_cache.data_ptr<T>();
   const T* v = value_cache.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  const int rows = static_cast<int>(tile * p.group());
+  const int heads = static_cast<int>(heads_per_item(p));
+  const int rows = static_cast<int>(tile * p.group()) * heads;
   const int64_t n = static_cast<int64_t>(items.size());
   int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
 #pragma omp parallel num_threads(nthreads)
   {
-    Scratch<T> sc(rows, static_cast<int>(p.head_size));
+    Scratch<T> sc(rows, static_cast<int>(p.head_size), heads);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) ItemKernel<T>(p, q, k, v, o, items[i], sc).run();
   }
