@@ -33,6 +33,10 @@
 
 namespace {
 
+// The small SIMD helpers pass vector arrays; out of line they would go through memory (GCC's
+// inliner sometimes declines them once ItemKernel grows), so they are always inlined.
+#define PK_INLINE inline __attribute__((always_inline))
+
 constexpr int KEY_CHUNK = 64;
 constexpr int LANES = 8;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -95,7 +99,7 @@ inline __m512 load16(const at::Half* p) {
 // Lane i of the result = sum of the 16 lanes of a[i]. Three rounds of pairwise shuffles and adds
 // halve the partial sums per row each time; the last round leaves the rows in the order ROW_AT,
 // which one permute puts back.
-inline __m512 reduce16(const __m512* a) {
+PK_INLINE __m512 reduce16(const __m512* a) {
   __m512 s1[8], s2[4], s3[2];
   for (int i = 0; i < 8; ++i)  // 256-bit halves: rows i (low) and i + 8 (high), 8 partials each
     s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44),
@@ -117,7 +121,7 @@ inline __m512 reduce16(const __m512* a) {
 // summed in float32 by vdpbf16ps (each product of two bf16 is exact in float32). d % 32 == 0.
 // out[i * 4 + j] = dot(q[i], k[j]); lanes from 4 * NR on are 0.
 template <int NR>
-inline __m512 dots_bf16(const at::BFloat16* q, const at::BFloat16* const* k, int d) {
+PK_INLINE __m512 dots_bf16(const at::BFloat16* q, const at::BFloat16* const* k, int d) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int x = 0; x < d; x += 32) {
@@ -136,7 +140,7 @@ inline __m512 dots_bf16(const at::BFloat16* q, const at::BFloat16* const* k, int
 
 // scores[i] = dot(q, k[i]) for 8 key rows k[0..8) (float32 or a 16-bit type widened on load).
 #if defined(PK_SIMD)
-inline __m256 reduce8(const __m256* acc) {
+PK_INLINE __m256 reduce8(const __m256* acc) {
   // Transpose-and-add: hadd pairs within 128-bit lanes, then add the two lanes; lane i = sum(acc[i]).
   __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
   __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
@@ -189,7 +193,7 @@ inline void scores2x4(const float* q0, const float* q1, const S* const* k, int d
 
 // exp(x) with a degree-6 polynomial after range reduction (relative error ~2e-7); inputs below
 // -87 (the masks' -inf included) give exactly 0.
-inline __m256 exp8(__m256 x) {
+PK_INLINE __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.0f);
   __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), lo);
@@ -255,6 +259,21 @@ inline float exp_shifted(float* x, int n, float shift) {
   return sum;
 }
 #endif
+
+// max(x[0..n)), -inf for n == 0; vector lanes of partial maxima instead of one serial chain.
+inline float row_max(const float* x, int n) {
+  int i = 0;
+  float m = NEG_INF;
+#if defined(PK_SIMD)
+  __m256 lanes = _mm256_set1_ps(NEG_INF);
+  for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(x + i));
+  alignas(32) float part[8];
+  _mm256_store_ps(part, lanes);
+  for (float v : part) m = std::max(m, v);
+#endif
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
 
 // --- the problem, flattened -----------------------------------------------------------------
 
@@ -553,8 +572,7 @@ class ItemKernel {
   void softmax_step(int n) {
     for (int r = 0; r < rows_; ++r) {
       float* s = &sc_.scores[r * KEY_CHUNK];
-      float cmax = NEG_INF;
-      for (int jj = 0; jj < n; ++jj) cmax = std::max(cmax, s[jj]);
+      float cmax = row_max(s, n);
       float m_new = std::max(sc_.m[r], cmax);
       if (m_new == NEG_INF) {  // nothing visible yet for this row
         std::fill_n(s, n, 0.f);
@@ -606,6 +624,23 @@ class ItemKernel {
     float* acc = &sc_.acc[r0 * d_];
     int x = 0;
 #if defined(PK_AVX512)
+    // 64 columns at a time: NR x 4 independent accumulators, so consecutive keys' FMAs do not
+    // wait on each other's latency (one accumulator per row would chain all n FMAs).
+    for (; x + 64 <= d_; x += 64) {
+      __m512 a[NR][4];
+      for (int i = 0; i < NR; ++i)
+        for (int u = 0; u < 4; ++u) a[i][u] = _mm512_loadu_ps(acc + i * d_ + x + 16 * u);
+      for (int jj = 0; jj < n; ++jj) {
+        __m512 v[4];
+        for (int u = 0; u < 4; ++u) v[u] = load16(vrows[jj] + x + 16 * u);
+        for (int i = 0; i < NR; ++i) {
+          const __m512 wi = _mm512_set1_ps(w[i * KEY_CHUNK + jj]);
+          for (int u = 0; u < 4; ++u) a[i][u] = _mm512_fmadd_ps(wi, v[u], a[i][u]);
+        }
+      }
+      for (int i = 0; i < NR; ++i)
+        for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + i * d_ + x + 16 * u, a[i][u]);
+    }
     for (; x + 16 <= d_; x += 16) {
       __m512 a[NR];
       for (int i = 0; i < NR; ++i) a[i] = _mm512_loadu_ps(acc + i * d_ + x);
