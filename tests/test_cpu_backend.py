@@ -62,9 +62,14 @@ def test_decode_and_mixed_match_oracle(dtype, head_size, block_size, heads):
         assert rel_err(run_cpu(c), want) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_features_with_lse_and_nhd_caches(dtype):
-    c = build_case([40, 130, 7], [40, 66, 1], (6, 2), 64, 16, dtype, nhd=True, seed=7)
+def test_features_with_lse_and_nhd_caches(dtype, decode):
+    """Varlen, and a decode batch of 4 (items that own all KV heads of a sequence)."""
+    if decode:
+        c = build_case([40, 130, 7, 64], None, (6, 2), 64, 16, dtype, nhd=True, seed=8)
+    else:
+        c = build_case([40, 130, 7], [40, 66, 1], (6, 2), 64, 16, dtype, nhd=True, seed=7)
     alibi = torch.tensor([2.0 ** (-(h + 1)) for h in range(6)])
     kwargs = {"sliding_window": 45, "soft_cap": 3.0, "alibi_slopes": alibi}
     out, lse = run_cpu(c, return_lse=True, **kwargs)
@@ -178,23 +183,33 @@ def test_build_flags_follow_the_cpu(tmp_path: Path):
     assert "-march=native" not in with_simd
     assert build.extension_name(with_simd) != build.extension_name(without)
     assert build.cpu_flags(tmp_path / "missing") == frozenset()
+    assert not any(f.startswith("-mavx512") for f in with_simd)
+    info.write_text("processor : 0\nflags\t\t: avx2 fma f16c avx512f avx512bw avx512dq avx512vl "
+                    "avx512_bf16\n")
+    wide = build.compile_flags(build.cpu_flags(info))
+    assert "-mavx2" in wide and "-mavx512bf16" in wide and "-mavx512bw" in wide
+    info.write_text("processor : 0\nflags\t\t: avx2 fma f16c avx512f avx512bw avx512dq avx512vl\n")
+    assert not any(f.startswith("-mavx512") for f in build.compile_flags(build.cpu_flags(info)))
 
 
-def test_portable_build_matches_the_simd_build():
-    """The non-SIMD code path (CPUs without AVX2/FMA/F16C), compiled here with the portable flags
-    (a second build, ~30 s the first time, cached after), against the oracle."""
+@pytest.mark.parametrize("cpu", ["portable", "avx2"])
+def test_narrower_builds_match_the_oracle(cpu: str):
+    """The code paths of CPUs with fewer features than this one: portable (no AVX2/FMA/F16C) and
+    AVX2 without AVX-512, each compiled here with those flags (a build of ~30 s the first time,
+    cached after), against the oracle. Decode batches of 4 and more take the all-KV-heads items."""
     from cpu_impl import build
-    portable = build.load(build.compile_flags(frozenset()))
+    features = frozenset() if cpu == "portable" else frozenset({"avx2", "fma", "f16c"})
+    ext = build.load(build.compile_flags(features))
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for q_lens, d in ((None, 64), ([9, 1, 40], 20)):
-            seq_lens = [33, 70, 5] if q_lens is None else [9, 17, 50]
+            seq_lens = [33, 70, 5, 16] if q_lens is None else [9, 17, 50]
             c = build_case(seq_lens, q_lens, (6, 2), d, 8, dtype, seed=d)
             out = torch.full_like(c.query, math.nan)
             lse = torch.empty(c.query.shape[:2])
             alibi = torch.tensor([0.5 ** (h + 1) for h in range(6)])
-            assert portable.paged_attention(c.query, c.key_cache, c.value_cache, c.block_tables,
-                                             c.seq_lens, c.cu_seqlens_q, out, lse, alibi,
-                                             1 / math.sqrt(d), 30, 4.0, 16, 2)
+            assert ext.paged_attention(c.query, c.key_cache, c.value_cache, c.block_tables,
+                                        c.seq_lens, c.cu_seqlens_q, out, lse, alibi,
+                                        1 / math.sqrt(d), 30, 4.0, 16, 2)
             want, want_lse = dense_oracle(c, window=30, soft_cap=4.0, alibi=alibi)
             assert rel_err(out, want) <= TOL[dtype]
             assert rel_err(lse, want_lse) <= TOL[dtype]
