@@ -1,6 +1,6 @@
 """The cpu backend against the reference on the CPU, at the engine's decode shape (SmolLM2-135M:
-9 query heads, 3 KV heads, head size 64, bf16, block size 16; 16 sequences x 300 tokens) and a
-256-token prefill, at 1 and 2 threads. Prints the fastest and the median ms per call of 30 (the
+9 query heads, 3 KV heads, head size 64, bf16, block size 16; 16 sequences x 300 tokens, and one
+sequence x 300) and a 256-token prefill, at 1 and 2 threads. Prints the fastest and the median ms per call of 30 (the
 fastest is the stable figure on a shared machine); no speed assertion (docs/cpu.md).
 
     python -m pytest bench/test_bench_cpu.py -q -s
@@ -20,6 +20,7 @@ from paged_kernels import available_backends, paged_attention
 SHAPES = {  # name -> (batch, context, q_len)
     "decode-16x300": (16, 300, 1),
     "decode-16x300-cold": (16, 300, 1),  # 30 layers' caches in turn, as in an engine step
+    "decode-1x300-cold": (1, 300, 1),  # single stream: 30 layers' caches (~1.8 MB) in turn
     "prefill-256": (1, 256, 256),
 }
 #: Distinct problems cycled through for a "-cold" shape: 30 layers of K/V (~55 MB in bf16) do not
