@@ -517,16 +517,11 @@ class ItemKernel {
       if (d_ % 32 != 0) return false;
       const int r0 = hh * rh_;
       const S* q = &sc_.qraw[r0 * d_];
-      alignas(64) float part[16];
-      for (int jj = 0; jj < n; jj += 4) {
-        switch (rh_) {
-          case 4: _mm512_store_ps(part, dots_bf16<4>(q, krows + jj, d_)); break;
-          case 3: _mm512_store_ps(part, dots_bf16<3>(q, krows + jj, d_)); break;
-          case 2: _mm512_store_ps(part, dots_bf16<2>(q, krows + jj, d_)); break;
-          default: _mm512_store_ps(part, dots_bf16<1>(q, krows + jj, d_)); break;
-        }
-        for (int i = 0; i < rh_; ++i)
-          for (int j = 0; j < 4; ++j) sc_.scores[(r0 + i) * KEY_CHUNK + jj + j] = part[i * 4 + j] * p_.scale;
+      switch (rh_) {
+        case 4: dot_rows_bf16<4>(r0, krows, n); break;
+        case 3: dot_rows_bf16<3>(r0, krows, n); break;
+        case 2: dot_rows_bf16<2>(r0, krows, n); break;
+        default: dot_rows_bf16<1>(r0, krows, n); break;
       }
       return true;
     }
@@ -534,6 +529,24 @@ class ItemKernel {
     (void)hh, (void)krows, (void)n;
     return false;
   }
+
+#if defined(PK_AVX512)
+  // Scaled scores of the NR rows from r0 for keys [0, n) (padded to a multiple of 4): lanes
+  // 4i..4i+3 of dots_bf16 are row i's four keys, one 128-bit store each.
+  template <int NR>
+  void dot_rows_bf16(int r0, const at::BFloat16* const* krows, int n) {
+    const at::BFloat16* q = &sc_.qraw[r0 * d_];
+    const __m512 scale = _mm512_set1_ps(p_.scale);
+    float* out = &sc_.scores[r0 * KEY_CHUNK];
+    for (int jj = 0; jj < n; jj += 4) {
+      const __m512 s = _mm512_mul_ps(dots_bf16<NR>(q, krows + jj, d_), scale);
+      _mm_storeu_ps(out + jj, _mm512_castps512_ps128(s));
+      if (NR > 1) _mm_storeu_ps(out + KEY_CHUNK + jj, _mm512_extractf32x4_ps(s, 1));
+      if (NR > 2) _mm_storeu_ps(out + 2 * KEY_CHUNK + jj, _mm512_extractf32x4_ps(s, 2));
+      if (NR > 3) _mm_storeu_ps(out + 3 * KEY_CHUNK + jj, _mm512_extractf32x4_ps(s, 3));
+    }
+  }
+#endif
 
   // Raw scores q . k for rows [r0, r0 + rh_) and every key of the chunk; key rows are padded to a
   // multiple of 8 with valid rows (their scores are never used).
