@@ -208,10 +208,38 @@ PK_INLINE __m256 exp8(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(poly, _mm256_castsi256_ps(e)), keep);
 }
 
+#if defined(PK_AVX512)
+// exp8's polynomial, 16 lanes wide.
+PK_INLINE __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), lo);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.f / 720);
+  const float c[] = {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  for (float ci : c) poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(ci));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(keep, poly, _mm512_castsi512_ps(e));
+}
+#endif
+
 // x[i] = exp(x[i] - shift) for i < n; returns the sum of the results.
 inline float exp_shifted(float* x, int n, float shift) {
   __m256 sh = _mm256_set1_ps(shift), total = _mm256_setzero_ps();
   int i = 0;
+#if defined(PK_AVX512)
+  const __m512 sh16 = _mm512_set1_ps(shift);
+  __m512 total16 = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh16));
+    _mm512_storeu_ps(x + i, e);
+    total16 = _mm512_add_ps(total16, e);
+  }
+  total = _mm256_add_ps(_mm512_castps512_ps256(total16), _mm512_extractf32x8_ps(total16, 1));
+#endif
   for (; i + 8 <= n; i += 8) {
     __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh));
     _mm256_storeu_ps(x + i, e);
