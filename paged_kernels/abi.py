@@ -224,6 +224,19 @@ def _check_out(out: Optional[torch.Tensor], query: torch.Tensor) -> torch.Tensor
     return out
 
 
+def check_alibi_slopes(alibi_slopes: Optional[torch.Tensor], num_heads: int,
+                       device: torch.device) -> Optional[torch.Tensor]:
+    """`alibi_slopes` (None, or a float32 tensor `[num_heads]` on `device`), checked."""
+    if alibi_slopes is None:
+        return None
+    slopes = _require_tensor("alibi_slopes", alibi_slopes)
+    if slopes.dtype != torch.float32 or tuple(slopes.shape) != (num_heads,):
+        _fail(ValueError, "alibi_slopes", f"a float32 tensor of shape ({num_heads},)",
+              _describe(slopes))
+    _require_device("alibi_slopes", slopes, device)
+    return slopes
+
+
 def _check_scalars(
     head_size: int, scale: Optional[float], sliding_window: Optional[int],
     soft_cap: Optional[float],
@@ -278,13 +291,8 @@ def check_attention_args(
         _fail(ValueError, "query", f"num_tokens == num_seqs={num_seqs} when cu_seqlens_q is None "
               "(decode)", f"num_tokens={num_tokens}")
     resolved_scale = _check_scalars(head_size, scale, sliding_window, soft_cap)
-    slopes = None
-    if alibi_slopes is not None:
-        slopes = _require_tensor("alibi_slopes", alibi_slopes)
-        if slopes.dtype != torch.float32 or tuple(slopes.shape) != (num_heads,):
-            _fail(ValueError, "alibi_slopes", f"a float32 tensor of shape ({num_heads},)",
-                  _describe(slopes))
-        _require_device("alibi_slopes", slopes, q.device)
+    slopes = check_alibi_slopes(alibi_slopes, num_heads, q.device)
+    if slopes is not None:
         features.add("alibi")
     o = _check_out(out, q)
     lse = None

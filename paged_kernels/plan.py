@@ -28,6 +28,7 @@ from paged_kernels.abi import (
     _fail,
     _require_device,
     _require_tensor,
+    check_alibi_slopes,
     check_metadata_contents,
     check_slot_contents,
     content_checks_requested,
@@ -253,13 +254,8 @@ def plan(
     if slots is not None and slots.shape[0] != tokens:
         _fail(ValueError, "slot_mapping", f"shape [{tokens}] (num_tokens)", _describe(slots))
     resolved_scale = _check_scalars(head_size, scale, sliding_window, soft_cap)
-    slopes = None
-    if alibi_slopes is not None:
-        slopes = _require_tensor("alibi_slopes", alibi_slopes)
-        if slopes.dtype != torch.float32 or tuple(slopes.shape) != (num_heads,):
-            _fail(ValueError, "alibi_slopes", f"a float32 tensor of shape ({num_heads},)",
-                  _describe(slopes))
-        _require_device("alibi_slopes", slopes, device)
+    slopes = check_alibi_slopes(alibi_slopes, num_heads, device)
+    if slopes is not None:
         features.add("alibi")
     for name, used in (("lse", return_lse), ("sliding_window", sliding_window is not None),
                        ("soft_cap", soft_cap is not None)):
