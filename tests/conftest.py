@@ -41,6 +41,40 @@ def hf_default_model():
     return model.eval()
 
 
+@pytest.fixture(scope="session")
+def hf_greedy_continuations(hf_default_model):
+    """`fn(prompts, max_new_tokens)`: transformers' greedy continuation (the token ids after the
+    prompt) of each prompt's token ids; `max_new_tokens` is one int or one per prompt."""
+    import torch
+
+    def continuations(prompts, max_new_tokens):
+        counts = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
+                  else list(max_new_tokens))
+        outs = []
+        for ids, n in zip(prompts, counts, strict=True):
+            with torch.no_grad():
+                gen = hf_default_model.generate(
+                    torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=n, do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(ids):].tolist())
+        return outs
+
+    return continuations
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module (`pytestmark = pytest.mark.usefixtures(...)`): on a shared
+    2-core machine two OpenMP threads spin-wait each other several times slower whenever other
+    processes are busy. Restored after the module."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--exhaustive", action="store_true", default=False,
                      help="run the full conformance matrix (every axis crossed with every other)")

@@ -22,14 +22,7 @@ TEXTS = ["The capital of France is",
          "1, 2, 3,"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on this shared 2-core machine two OpenMP threads spin-wait each other
-    several times slower whenever other processes are busy; restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +42,9 @@ def prompts(loaded):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf, prompts):
+def hf_greedy(hf_greedy_continuations, prompts):
     """transformers' greedy continuation of each prompt (token ids after the prompt)."""
-    outs = []
-    for ids in prompts:
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                                                             dtype=torch.long),
-                              max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-        outs.append(gen[0, len(ids):].tolist())
-    return outs
+    return hf_greedy_continuations(prompts, MAX_TOKENS)
 
 
 def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:

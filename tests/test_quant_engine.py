@@ -26,14 +26,7 @@ TEXTS = ["The capital of France is",
 MAX_TOKENS = [9, 3, 7, 5, 2, 6]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: two spin-waiting OpenMP threads slow down badly on this shared
-    2-core machine; restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +40,9 @@ def prompts(loaded):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_default_model, prompts):
+def hf_greedy(hf_greedy_continuations, prompts):
     """transformers' greedy continuation of each prompt, MAX_TOKENS[i] tokens."""
-    outs = []
-    for ids, n in zip(prompts, MAX_TOKENS):
-        with torch.no_grad():
-            gen = hf_default_model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=n, do_sample=False, pad_token_id=0)
-        outs.append(gen[0, len(ids):].tolist())
-    return outs
+    return hf_greedy_continuations(prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("max_rows", [MAX_ROWS[torch.float32], 3])
