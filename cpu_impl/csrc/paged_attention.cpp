@@ -192,35 +192,38 @@ inline void scores2x4(const float* q0, const float* q1, const S* const* k, int d
 }
 
 // exp(x) with a degree-6 polynomial after range reduction (relative error ~2e-7); inputs below
-// -87 (the masks' -inf included) give exactly 0.
+// kExpLo (the masks' -inf included) give exactly 0. exp8 and exp16 share these constants, so the
+// AVX2 and AVX-512 builds compute the same function.
+constexpr float kExpLo = -87.0f, kExpHi = 88.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 = kLn2Hi + kLn2Lo
+constexpr float kExpPoly[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+
 PK_INLINE __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 lo = _mm256_set1_ps(kExpLo);
   __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), lo);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(kExpHi)), lo);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 poly = _mm256_set1_ps(1.f / 720);
-  const float c[] = {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-  for (float ci : c) poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(ci));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 poly = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(kExpPoly[i]));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(poly, _mm256_castsi256_ps(e)), keep);
 }
 
 #if defined(PK_AVX512)
-// exp8's polynomial, 16 lanes wide.
+// exp8, 16 lanes wide.
 PK_INLINE __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __m512 lo = _mm512_set1_ps(kExpLo);
   __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), lo);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(kExpHi)), lo);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 poly = _mm512_set1_ps(1.f / 720);
-  const float c[] = {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
-  for (float ci : c) poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(ci));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 poly = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(kExpPoly[i]));
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(keep, poly, _mm512_castsi512_ps(e));
 }
