@@ -47,12 +47,14 @@ def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
     wanted = set()
     for ctype in ops.CTYPES.values():
         for d in head_sizes:
-            kind = "simt" if ctype == "float" else "mma"
-            wanted.add(f"pk_varlen_{kind}_kernel<{ctype}, {d}>")
             if ctype == "float":
+                wanted.add(f"pk_varlen_simt_kernel<{ctype}, {d}>")
                 wanted |= {f"pk_decode_kernel<{ctype}, {d}, {g}>" for g in ops.GROUP_TILES}
             else:
-                wanted.add(f"pk_decode_mma_kernel<{ctype}, {d}>")
+                wanted |= {f"pk_varlen_mma_kernel<{ctype}, {d}>",
+                           f"pk_varlen_mma_async_kernel<{ctype}, {d}>",
+                           f"pk_decode_mma_kernel<{ctype}, {d}, 4>",
+                           f"pk_decode_mma_kernel<{ctype}, {d}, 2>"}
         wanted.add(f"pk_decode_reduce_kernel<{ctype}>")
     for arch in ("sm_80", "sm_90"):
         missing = sorted(n for n in wanted if (arch, n) not in compiled)
@@ -77,13 +79,19 @@ def _problem(dtype, heads: tuple[int, int], q_lens, head_size: int = 128, block_
 
 PLANNED = [(dtype, heads, q_lens) for dtype in ("float32", "float16", "bfloat16")
            for heads in ((4, 4), (8, 4), (6, 2), (8, 1), (64, 2)) for q_lens in (None, [5, 1, 9])]
+#: Every kernel choice the environment can force (decode tile, varlen kernel), and the defaults.
+FORCED = [{}, {ops.DECODE_TILE_ENV: "32"}, {ops.VARLEN_STAGES_ENV: "1"}]
 
 
 @needs_nvcc
+@pytest.mark.parametrize("env", FORCED, ids=["default", "decode-tile-32", "varlen-sync"])
 @pytest.mark.parametrize("dtype,heads,q_lens", PLANNED)
-def test_every_launch_a_plan_makes_is_compiled(reports, dtype, heads, q_lens) -> None:
+def test_every_launch_a_plan_makes_is_compiled(reports, monkeypatch, env, dtype, heads,
+                                               q_lens) -> None:
     import torch
 
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     compiled = {r.name.split("(")[0].replace("void ", "") for r in reports}
     problem = _problem(getattr(torch, dtype), heads, q_lens)
     plan = ops.plan_attention(problem, num_sms=132)
@@ -91,11 +99,11 @@ def test_every_launch_a_plan_makes_is_compiled(reports, dtype, heads, q_lens) ->
         problem, plan, problem.query, problem.key_cache, problem.value_cache, problem.out, None)))
     for name, grid, threads, smem in ops.attention_launches(values):
         assert name in compiled, f"{name} is launched by the plan but not compiled"
-        assert threads == ops.THREADS and min(grid) >= 1 and smem >= 0
+        assert threads in (64, ops.THREADS) and min(grid) >= 1 and smem >= 0
 
 
 @pytest.mark.parametrize("dtype,kernel,ctype", [
-    ("bfloat16", "pk_decode_mma_kernel<__nv_bfloat16, 128>", "__nv_bfloat16"),
+    ("bfloat16", "pk_decode_mma_kernel<__nv_bfloat16, 128, 4>", "__nv_bfloat16"),
     ("float32", "pk_decode_kernel<float, 128, 4>", "float")])
 def test_jit_launches_exactly_the_planned_kernels(dtype, kernel, ctype) -> None:
     """jit.JitModule's dispatch, without CuPy or a GPU: the launches it would make (16-bit
@@ -174,6 +182,60 @@ def test_decode_mma_shared_memory_fits_every_head_size(monkeypatch) -> None:
     monkeypatch.setenv(ops.STAGES_ENV, "5")
     with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_STAGES: expected 2, 3 or 4"):
         ops.mma_decode_stages(128)
+
+
+def _blocks_per_sm(plan) -> int:
+    """Blocks of the plan's shared memory one H100/H200 SM holds (228 KiB, 1 KiB reserved per
+    block)."""
+    return 228 * 1024 // (plan.smem_bytes + 1024)
+
+
+@pytest.mark.parametrize("head_size,blocks_64,blocks_32", [(64, 5, 11), (128, 3, 6),
+                                                           (256, 1, 2)])
+def test_decode_mma_tile_32_halves_shared_memory(monkeypatch, head_size, blocks_64,
+                                                 blocks_32) -> None:
+    """PAGED_KERNELS_CUDA_DECODE_TILE=32: 2 warps (64 threads) and 32-key tiles, so an SM holds
+    about twice the blocks of the 64-key kernel (6 instead of 3 at head size 128); the shared
+    memory is the rings + row offsets (+ Q above head size 128), every depth under 163 KiB."""
+    import torch
+
+    problem = _problem(torch.bfloat16, (32, 8), None, head_size=head_size, block_size=1)
+    default = ops._plan_decode_mma(problem, num_sms=132)
+    monkeypatch.setenv(ops.DECODE_TILE_ENV, "32")
+    small = ops._plan_decode_mma(problem, num_sms=132)
+    assert (default.threads, small.threads) == (128, 64)
+    pitch, q = 2 * (head_size + 8), (16 if head_size > 128 else 0)
+    assert default.smem_bytes == (q + 2 * 2 * 64) * pitch + 16 * 2 * 64
+    assert small.smem_bytes == (q + 2 * 2 * 32) * pitch + 16 * 2 * 32
+    assert (_blocks_per_sm(default), _blocks_per_sm(small)) == (blocks_64, blocks_32)
+    assert ops.mma_decode_min_blocks(head_size, 2) == 2 * ops.mma_decode_min_blocks(head_size)
+    for stages in ("3", "4"):
+        monkeypatch.setenv(ops.STAGES_ENV, stages)
+        assert ops._plan_decode_mma(problem, num_sms=132).smem_bytes <= 163 * 1024
+    monkeypatch.setenv(ops.DECODE_TILE_ENV, "16")
+    with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_TILE: expected 64 or 32"):
+        ops.mma_decode_tile()
+
+
+@pytest.mark.parametrize("head_size", ops.HEAD_SIZES)
+def test_varlen_plans_the_async_kernel_unless_told(monkeypatch, head_size) -> None:
+    """16-bit varlen plans the cp.async-ring kernel (stages 2) within sm_80's 163 KiB on every
+    head size; PAGED_KERNELS_CUDA_VARLEN_STAGES=1 plans the synchronous kernel; float32 is
+    unaffected (SIMT)."""
+    import torch
+
+    problem = _problem(torch.float16, (8, 2), [5, 1, 9], head_size=head_size)
+    plan = ops.plan_attention(problem, num_sms=132)
+    bn, pitch = ops.varlen_async_bn(head_size), 2 * (head_size + 8)
+    assert (plan.kernel, plan.stages) == (ops.KERNEL_VARLEN_MMA, 2)
+    assert plan.smem_bytes == (4 * bn + (64 if head_size > 128 else 0)) * pitch <= 163 * 1024
+    monkeypatch.setenv(ops.VARLEN_STAGES_ENV, "1")
+    assert ops.plan_attention(problem, num_sms=132).stages == 1
+    f32 = ops.plan_attention(_problem(torch.float32, (8, 2), [5, 1, 9], head_size=head_size), 132)
+    assert (f32.kernel, f32.stages) == (ops.KERNEL_VARLEN_SIMT, 0)
+    monkeypatch.setenv(ops.VARLEN_STAGES_ENV, "3")
+    with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_VARLEN_STAGES: expected 1 or 2"):
+        ops.varlen_stages()
 
 
 def _decode_problem(batch: int, context: int, head_size: int = 128, block_size: int = 16):

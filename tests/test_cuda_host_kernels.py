@@ -139,6 +139,23 @@ def test_decode_cache_offsets_past_int32(dtype):
     assert rel_error(out, want) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("stages", ["2", "3", "4"])
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (80, 24), (256, 8)])
+def test_decode_mma_tile_32(monkeypatch, stages, head_size, block_size):
+    """The 2-warp, 32-key-tile decode kernel (PAGED_KERNELS_CUDA_DECODE_TILE=32) at every ring
+    depth: Q in the K ring's last slot (head sizes 64, 80) or in its own region (256), partial
+    last tiles, several head chunks (a GQA group of 20), split-K, and every feature."""
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_TILE", "32")
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_STAGES", stages)
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "160")
+    slopes = torch.tensor([2.0 ** (-(h % 8 + 1)) for h in range(20)], dtype=torch.float32)
+    case = make_case([1, 31, 33, 170], None, heads=20, kv_heads=1, head_size=head_size,
+                     block_size=block_size, dtype=torch.bfloat16, seed=head_size + int(stages),
+                     strided=True)
+    check(case, torch.bfloat16)
+    check(case, torch.bfloat16, sliding_window=90, soft_cap=4.0, alibi_slopes=slopes)
+
+
 def test_decode_group_tiles():
     """GQA groups of 3 and 16 heads: partial group tiles and several head chunks per KV head."""
     for heads, kv in [(6, 2), (16, 1)]:
@@ -163,6 +180,49 @@ def test_varlen_long_prefill_many_tiles(dtype):
     case = make_case([70, 45], [70, 12], heads=4, kv_heads=1, head_size=64, block_size=8,
                      dtype=dtype, seed=5)
     check(case, dtype)
+
+
+VARLEN_KERNELS = ["2", "1"]  # PAGED_KERNELS_CUDA_VARLEN_STAGES: the cp.async ring, synchronous
+
+
+@pytest.mark.parametrize("stages", VARLEN_KERNELS, ids=["async", "sync"])
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 24), (192, 8)])
+def test_varlen_mma_kernels_long_contexts(monkeypatch, stages, head_size, block_size):
+    """Both 16-bit varlen kernels over 3-6 K/V tiles per block (the ring wraps several times;
+    64-key tiles up to head size 128, 32-key ones above), a chunk on a cached prefix, a prefill
+    longer than one block's rows, decodes, a GQA group of 3, the window and every feature."""
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_STAGES", stages)
+    slopes = torch.tensor([2.0 ** (-(h + 1)) for h in range(6)], dtype=torch.float32)
+    case = make_case([300, 150, 97, 1], [20, 150, 1, 1], heads=6, kv_heads=2,
+                     head_size=head_size, block_size=block_size, dtype=torch.float16,
+                     seed=head_size, strided=True)
+    check(case, torch.float16)
+    check(case, torch.float16, sliding_window=100, soft_cap=4.0, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("window", [None, 31, 32, 33, 64])
+@pytest.mark.parametrize("head_size", [64, 192])  # 64- and 32-key tiles
+def test_varlen_async_masks_at_tile_edges(window, head_size):
+    """Query rows whose positions fall one before, on and one after the last key of a K/V tile
+    (both tile sizes), with windows whose start falls on a tile's first key: where every row of
+    a block sees a whole tile the kernel skips the per-key masks, so an off-by-one there shows."""
+    seq_lens = [31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 128, 129, 160]
+    q_lens = [1, 1, 2, 1, 2, 3, 1, 33, 2, 64, 1, 3, 97]
+    case = make_case(seq_lens, q_lens, heads=2, kv_heads=1, head_size=head_size, block_size=16,
+                     dtype=torch.float16, seed=window or 0)
+    check(case, torch.float16, sliding_window=window)
+
+
+def test_varlen_sync_kernel_mixed_batch_and_features(monkeypatch):
+    """The synchronous 16-bit varlen kernel (PAGED_KERNELS_CUDA_VARLEN_STAGES=1), kept to compare
+    with the cp.async one on a GPU, still matches the oracle on the mixed batch."""
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_STAGES", "1")
+    slopes = torch.tensor([2.0 ** (-(h + 1)) for h in range(8)], dtype=torch.float32)
+    for dtype in (torch.float16, torch.bfloat16):
+        case = make_case(*MIXED, heads=8, kv_heads=2, head_size=80, block_size=16,
+                         dtype=dtype, seed=3)
+        check(case, dtype)
+        check(case, dtype, sliding_window=11, soft_cap=3.0, alibi_slopes=slopes, scale=0.2)
 
 
 # ---- features ----
@@ -191,15 +251,24 @@ def test_out_strided_and_only_out_written():
 
 # ---- synchronisation: results independent of the thread schedule ----
 
-@pytest.mark.parametrize("kind", ["decode-mma-split", "decode-simt-split", "varlen-mma",
+@pytest.mark.parametrize("kind", ["decode-mma-split", "decode-mma-tile32-split",
+                                  "decode-simt-split", "varlen-mma", "varlen-mma-sync",
                                   "varlen-simt"])
 def test_results_bit_identical_under_every_schedule(monkeypatch, kind):
     monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "32" if kind == "decode-simt-split"
                        else "128")
+    if kind == "decode-mma-tile32-split":
+        monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_TILE", "32")
+    if kind == "varlen-mma-sync":
+        monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_STAGES", "1")
     dtype = torch.float32 if "simt" in kind else torch.bfloat16
     decode = kind.startswith("decode")
-    q_lens = None if decode else MIXED[1]
-    seq_lens = [300, 90, 33, 1] if decode else MIXED[0]
+    # varlen mma: up to 4 tiles of 64 keys per block, so the cp.async ring wraps under every
+    # schedule (the SIMT kernel, slow here, keeps the short mixed batch)
+    long_varlen = kind.startswith("varlen-mma")
+    q_lens = None if decode else [19, 5, 1, 1, 70] if long_varlen else MIXED[1]
+    seq_lens = ([300, 90, 33, 1] if decode else [200, 39, 1, 17, 70] if long_varlen
+                else MIXED[0])
     case = make_case(seq_lens, q_lens, heads=8, kv_heads=2, head_size=64, block_size=16,
                      dtype=dtype, seed=9)
     results = []

@@ -1,45 +1,50 @@
 // pk_decode_mma.cuh: paged decode attention on tensor cores, fed by a cp.async pipeline (f16/bf16).
 //
-// pk_decode_mma_kernel<T = __half | __nv_bfloat16, HEAD_SIZE>
-//   Grid: (num_kv_heads * num_head_chunks, num_seqs, num_splits); 128 threads (4 warps).
+// pk_decode_mma_kernel<T = __half | __nv_bfloat16, HEAD_SIZE, WARPS = 4 | 2>
+//   Grid: (num_kv_heads * num_head_chunks, num_seqs, num_splits); 32 * WARPS threads (p.threads).
 //   One thread block owns: one sequence, one KV head, up to 16 query heads of its GQA group (the
 //   M = 16 rows of every mma; chunk `blockIdx.x % num_head_chunks`, rows past the group are
 //   zeros), and one partition of `partition_size` keys of the visible context [ctx_start,
-//   seq_len), walked in tiles of BN = 64 keys; warp w owns keys 16w..16w+15 of every tile.
+//   seq_len), walked in tiles of BN = 16 * WARPS keys (64 or 32); warp w owns keys 16w..16w+15
+//   of every tile. WARPS is the plan's choice (ops.py, PAGED_KERNELS_CUDA_DECODE_TILE): 2 warps
+//   and 32-key tiles halve a block's shared memory, so twice as many blocks fit on an SM (6
+//   instead of 3 at head size 128 on an H100/H200) with the same registers per thread.
 //   Bytes moved: every K and V row of the partition once (cp.async, 16 bytes per copy, a ring of
 //   p.stages (2-4) tiles so p.stages - 1 are in flight while one is used), the 16 query rows once;
 //   writes the group's output rows (T) + lse, or float32 partial rows with their max and sum for
 //   pk_decode_reduce_kernel (pk_decode.cuh) when num_splits > 1.
 //   Per tile and warp: S[16 x 16] = Q K^T and O[16 x HEAD_SIZE] += P V with mma.m16n8k16,
 //   operands through ldmatrix (V with .trans); an online softmax in registers in base 2 (each
-//   lane holds rows g and g + 8); at the end the four warps' (m, l, O) are merged through
-//   shared memory.
+//   lane holds rows g and g + 8); at the end the warps' (m, l, O) are merged through shared
+//   memory.
 //   Invariants: rows of q/k/v/out are 16-byte aligned (ops.py checks); no key at a position
 //   >= seq_len is ever read: rows past the partition are zero-filled by cp.async without a load
 //   (cache slots past seq_len may hold NaN); block-table entries past ceil(seq_len / block_size)
 //   are never read; cache offsets are int64. Each row's K/V offsets are computed once, by one
 //   thread, an iteration before its copies are issued (so issuing a copy is a shared-memory
 //   read, not a block-table walk per 16 bytes).
-//   Dynamic shared memory (planned in ops.py `_mma_decode_smem`): Q [16][DP], K and V rings
-//   [stages][BN][DP] (T, DP = HEAD_SIZE + 8: ldmatrix rows fall in distinct banks), the rings'
-//   row offsets [stages][BN] (PkRowOffsets). The merge reuses the K/V rings (they hold at least
-//   2 tiles of K and V, more than the merge needs).
+//   Dynamic shared memory (planned in ops.py `_mma_decode_smem`): K and V rings [stages][BN][DP]
+//   (T, DP = HEAD_SIZE + 8: ldmatrix rows fall in distinct banks), the rings' row offsets
+//   [stages][BN] (PkRowOffsets), and Q [16][DP]: up to head size 128 Q lives in the K ring's
+//   last slot (its fragments go to registers before that slot's first copy is issued, in the
+//   first iteration, after a barrier); above 128 it is reloaded per tile and has its own region
+//   after the row offsets. The merge reuses the K/V rings (they hold at least 2 tiles of K and
+//   V, more than the merge needs).
 #pragma once
 #include "pk_common.cuh"
 #include "pk_cp_async.cuh"
 #include "pk_mma.cuh"
 #include "pk_ops.h"
 
-constexpr int PK_DECODE_MMA_THREADS = 128;
 constexpr int PK_DECODE_MMA_ROWS = 16;  // query heads per block (the mma's M)
-constexpr int PK_DECODE_MMA_BN = 64;    // keys per tile: 16 per warp
 constexpr int PK_DECODE_MMA_MAX_STAGES = 4;
 
-// Blocks per SM the register budget must allow (__launch_bounds__): as many as the shared memory
-// of a 2-stage ring lets an H100/H200 SM hold, since the kernel's speed grows with the blocks in
-// flight (measured on an H200: 1, 2, 3 blocks per SM gave 39, 66, 83 % of copy bandwidth).
-__host__ __device__ constexpr int pk_decode_mma_min_blocks(int head_size) {
-  return head_size <= 64 ? 4 : head_size <= 128 ? 3 : head_size <= 192 ? 2 : 1;
+// Blocks per SM the register budget must allow (__launch_bounds__): as many 4-warp blocks as the
+// shared memory of a 2-stage ring lets an H100/H200 SM hold, since the kernel's speed grows with
+// the blocks in flight (measured on an H200: 1, 2, 3 blocks per SM gave 39, 66, 83 % of copy
+// bandwidth). 2-warp blocks get twice the count: the same registers per thread.
+__host__ __device__ constexpr int pk_decode_mma_min_blocks(int head_size, int warps) {
+  return (head_size <= 64 ? 4 : head_size <= 128 ? 3 : head_size <= 192 ? 2 : 1) * 4 / warps;
 }
 
 // K and V offsets (elements) of one cache row; -1 for a row past the partition.
@@ -95,21 +100,28 @@ __device__ void pk_decode_write_empty(const PkAttnParams& p, const PkDecodeRange
   }
 }
 
-template <typename T, int HEAD_SIZE>
-__global__ void __launch_bounds__(PK_DECODE_MMA_THREADS, pk_decode_mma_min_blocks(HEAD_SIZE))
+template <typename T, int HEAD_SIZE, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, pk_decode_mma_min_blocks(HEAD_SIZE, WARPS))
 pk_decode_mma_kernel(const PkAttnParams p) {
-  constexpr int D = HEAD_SIZE, DP = D + 8, BN = PK_DECODE_MMA_BN, M = PK_DECODE_MMA_ROWS;
+  constexpr int THREADS = 32 * WARPS, BN = 16 * WARPS;  // keys per tile: 16 per warp
+  constexpr int D = HEAD_SIZE, DP = D + 8, M = PK_DECODE_MMA_ROWS;
   constexpr int VEC = PkVec<T>::N, NVEC = D / VEC;
   constexpr int KS = D / 16;  // k-slices of Q K^T
   constexpr int DT = D / 8;   // n-tiles of O
   constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
   static_assert(D % 16 == 0, "the mma path needs head_size % 16 == 0");
+  static_assert(WARPS == 2 || WARPS == 4, "2 or 4 warps (ops.py plans one of them)");
+  // The Q fragments (A operand of S = Q K^T). Up to head size 128 every k-slice stays in
+  // registers; above it they are reloaded per tile (keeping them would cost 48-64 more registers
+  // per thread, about 250 in all at head size 256).
+  constexpr bool Q_IN_REGS = D <= 128;
   extern __shared__ float4 pk_smem4[];
-  T* qs = reinterpret_cast<T*>(pk_smem4);  // [M][DP]
   const int stages = static_cast<int>(p.stages);  // 2..PK_DECODE_MMA_MAX_STAGES (ops.py)
-  T* ks = qs + M * DP;                     // [stages][BN][DP]
+  T* ks = reinterpret_cast<T*>(pk_smem4);  // [stages][BN][DP]
   T* vs = ks + stages * BN * DP;           // [stages][BN][DP]
   auto* s_off = reinterpret_cast<PkRowOffsets*>(vs + stages * BN * DP);  // [stages][BN]
+  // Q [M][DP]: in the K ring's last slot while only its fragments are needed (see the top).
+  T* qs = Q_IN_REGS ? ks + (stages - 1) * BN * DP : reinterpret_cast<T*>(s_off + stages * BN);
 
   const PkDecodeRange r = pk_decode_range(p, M);
   if (r.n == 0) {
@@ -140,7 +152,7 @@ pk_decode_mma_kernel(const PkAttnParams p) {
 
   // Q rows (zeros past the group's heads), and the row offsets of tiles 0..stages-1 (one thread
   // per row), -> shared memory.
-  for (int idx = threadIdx.x; idx < M * NVEC; idx += PK_DECODE_MMA_THREADS) {
+  for (int idx = threadIdx.x; idx < M * NVEC; idx += THREADS) {
     const int row = idx / NVEC, v = idx % NVEC;
     uint4 raw = make_uint4(0u, 0u, 0u, 0u);
     if (row < r.nh)
@@ -164,10 +176,10 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   const T* vbase = static_cast<const T*>(p.v_cache) + r.kvh * p.v_stride_head;
   auto issue_tile = [&](int tile, int stage) {
     if (tile < num_tiles) {
-      static_assert(BN * NVEC % PK_DECODE_MMA_THREADS == 0, "whole passes over the tile");
+      static_assert(BN * NVEC % THREADS == 0, "whole passes over the tile");
 #pragma unroll 2
-      for (int it = 0; it < BN * NVEC / PK_DECODE_MMA_THREADS; ++it) {
-        const int idx = it * PK_DECODE_MMA_THREADS + threadIdx.x;
+      for (int it = 0; it < BN * NVEC / THREADS; ++it) {
+        const int idx = it * THREADS + threadIdx.x;
         const int row = idx / NVEC, v = idx % NVEC;
         const PkRowOffsets off = s_off[stage * BN + row];
         const bool valid = off.k >= 0;
@@ -178,12 +190,10 @@ pk_decode_mma_kernel(const PkAttnParams p) {
     }
     pk_cp_async_commit();
   };
+  // Slots 0..stages-2 only: with Q_IN_REGS, Q is in slot stages - 1 until the first iteration.
   for (int s = 0; s < stages - 1; ++s) issue_tile(s, s);
 
-  // The Q fragments (A operand of S = Q K^T) of k-slice kk. Up to head size 128 every slice
-  // stays in registers; above it they are reloaded per tile (keeping them would cost 48-64 more
-  // registers per thread, about 250 in all at head size 256).
-  constexpr bool Q_IN_REGS = D <= 128;
+  // The Q fragments of k-slice kk.
   auto load_q = [&](int kk, uint32_t (&frag)[4]) {
     const int i = lane / 8, rr = lane % 8;
     pk_ldmatrix_x4(frag, qs + (rr + 8 * (i & 1)) * DP + kk * 16 + 8 * (i >> 1));
@@ -214,7 +224,9 @@ pk_decode_mma_kernel(const PkAttnParams p) {
 
   for (int tile = 0, stage = 0; tile < num_tiles; ++tile, stage = (stage + 1) % stages) {
     pk_cp_async_wait_upto2(stages - 2);  // this thread's copies of `tile` have landed
-    __syncthreads();  // everyone's have; and tile - 1's slot is no longer read by anyone
+    // Everyone's have; tile - 1's slot is no longer read by anyone (in the first iteration:
+    // every warp has its Q fragments, so slot stages - 1 may be overwritten).
+    __syncthreads();
     // One thread per row starts reading the block id of tile + stages (used at the end).
     int64_t next_block = -1;
     int next_slot = 0;
@@ -316,10 +328,10 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   pk_cp_async_wait<0>();  // only empty groups remain; nothing may be in flight at exit
   __syncthreads();        // every warp is done with the rings: reuse them for the merge
 
-  // ---- merge the four warps' (m, l, O) ----
+  // ---- merge the warps' (m, l, O) ----
   constexpr int RP = D + 4;  // float row pitch of the merge buffer
-  float* red_o = reinterpret_cast<float*>(ks);     // [4][M][RP]
-  float* red_ml = red_o + 4 * M * RP;              // [4][M][2]
+  float* red_o = reinterpret_cast<float*>(ks);     // [WARPS][M][RP]
+  float* red_ml = red_o + WARPS * M * RP;          // [WARPS][M][2]
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int row = g + 8 * hr;
@@ -336,14 +348,14 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   __syncthreads();
 
   const int num_splits = static_cast<int>(p.num_splits);
-  for (int idx = threadIdx.x; idx < r.nh * NVEC; idx += PK_DECODE_MMA_THREADS) {
+  for (int idx = threadIdx.x; idx < r.nh * NVEC; idx += THREADS) {
     const int row = idx / NVEC, v = idx % NVEC;
     float m_all = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < 4; ++w) m_all = fmaxf(m_all, red_ml[(w * M + row) * 2]);
-    float weight[4], l_all = 0.f;
+    for (int w = 0; w < WARPS; ++w) m_all = fmaxf(m_all, red_ml[(w * M + row) * 2]);
+    float weight[WARPS], l_all = 0.f;
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
+    for (int w = 0; w < WARPS; ++w) {
       const float mw = red_ml[(w * M + row) * 2];
       weight[w] = mw == -INFINITY ? 0.f : exp2f(mw - m_all);
       l_all += weight[w] * red_ml[(w * M + row) * 2 + 1];
@@ -354,7 +366,7 @@ pk_decode_mma_kernel(const PkAttnParams p) {
     for (int e = 0; e < VEC; ++e) {
       float acc = 0.f;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) acc += weight[w] * red_o[(w * M + row) * RP + v * VEC + e];
+      for (int w = 0; w < WARPS; ++w) acc += weight[w] * red_o[(w * M + row) * RP + v * VEC + e];
       out[e] = acc * inv;
     }
     const int64_t orow = static_cast<int64_t>(r.seq) * p.num_heads + r.head0 + row;

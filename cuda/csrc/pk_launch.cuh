@@ -48,11 +48,16 @@ const char* pk_launch_decode(const PkAttnParams& p, void* stream) {
   return pk_launch_decode_and_reduce<T>(&pk_decode_kernel<T, D, GT>, p, stream);
 }
 
-// The tensor-core decode kernel exists for the 16-bit types only.
+// The tensor-core decode kernel exists for the 16-bit types only; the plan's thread count picks
+// its warps (and so its tile of 16 keys per warp).
 template <typename T, int D>
 const char* pk_launch_decode_mma(const PkAttnParams& p, void* stream) {
   if constexpr (sizeof(T) == 2) {
-    return pk_launch_decode_and_reduce<T>(&pk_decode_mma_kernel<T, D>, p, stream);
+    switch (p.threads) {
+      case 64: return pk_launch_decode_and_reduce<T>(&pk_decode_mma_kernel<T, D, 2>, p, stream);
+      case 128: return pk_launch_decode_and_reduce<T>(&pk_decode_mma_kernel<T, D, 4>, p, stream);
+      default: return "decode: the mma kernel runs 64 or 128 threads (2 or 4 warps)";
+    }
   } else {
     return "decode: the mma kernel takes float16 or bfloat16 only";
   }

@@ -17,15 +17,28 @@
 //   softmax; keys at positions >= the tile's last query position + 1 are never loaded (zeros
 //   instead), so NaN in unused cache slots cannot reach the result; offsets are int64.
 //
-// pk_varlen_mma_kernel<T = __half | __nv_bfloat16, HEAD_SIZE>: 4 warps x 16 rows (64 rows);
-//   S = Q K^T and O += P V with mma.m16n8k16 (pk_mma.cuh), online softmax in registers (each
-//   lane holds rows g and g + 8 of its warp's 16), float32 accumulation.
+// pk_varlen_mma_async_kernel<T = __half | __nv_bfloat16, HEAD_SIZE> (the default for 16-bit
+//   types; plan stages = 2): 4 warps x 16 rows (64 rows). K/V tiles of BN = 64 keys (32 above
+//   head size 128) come through the block table with 16-byte cp.async copies into a ring of 2
+//   slots: the next tile is in flight while the current one is used. S = Q K^T and O += P V with
+//   mma.m16n8k16, operands through ldmatrix (V row-major with .trans, so no transposing store);
+//   online softmax in registers in base 2 (each lane holds rows g and g + 8 of its warp's 16);
+//   float32 accumulation. Tiles every row of the block sees whole skip the per-key masks.
+//   Shared memory (ops.py `_varlen_async_smem`): K and V rings [2][BN][DP] (T, DP = HEAD_SIZE +
+//   8), and Q [64][DP]: up to head size 128 in the K ring's slot 1 (its fragments go to
+//   registers before that slot's first copy, which is issued after a barrier), else after the
+//   rings (reloaded per tile).
+// pk_varlen_mma_kernel<T = __half | __nv_bfloat16, HEAD_SIZE> (plan stages = 1,
+//   PAGED_KERNELS_CUDA_VARLEN_STAGES=1; the kernel before the ring, kept to compare): the same
+//   rows; K/V tiles of PK_VARLEN_BN keys loaded synchronously (V stored transposed), operands
+//   read from shared memory 32 bits at a time.
 //   Shared memory: Q [64][HEAD_SIZE + 8], K [BN][HEAD_SIZE + 8], V^T [HEAD_SIZE][BN + 8] (T).
 // pk_varlen_simt_kernel<T, HEAD_SIZE>: 4 warps x 4 rows (16 rows), lane j <-> key j of the tile,
 //   float32 everywhere (the float32 path). Shared memory: Q [16][HEAD_SIZE], K [BN][HEAD_SIZE + 1],
 //   V [BN][HEAD_SIZE] (float).
 #pragma once
 #include "pk_common.cuh"
+#include "pk_cp_async.cuh"
 #include "pk_mma.cuh"
 #include "pk_ops.h"
 
@@ -34,6 +47,12 @@ constexpr int PK_VARLEN_BN = 32;         // keys per K/V tile (both kernels)
 constexpr int PK_VARLEN_MMA_ROWS = 64;   // rows per block of the mma kernel
 constexpr int PK_VARLEN_SIMT_ROWS = 16;  // rows per block of the SIMT kernel
 constexpr int PK_VARLEN_SIMT_RPW = PK_VARLEN_SIMT_ROWS / 4;  // rows per warp
+
+// Keys per K/V tile of pk_varlen_mma_async_kernel (ops.py `varlen_async_bn` mirrors it): 64, or
+// 32 above head size 128 so the ring and Q stay under sm_80's 163 KiB of shared memory.
+__host__ __device__ constexpr int pk_varlen_async_bn(int head_size) {
+  return head_size <= 128 ? 64 : 32;
+}
 
 // Where one block of a varlen kernel works (see the file comment).
 struct PkVarlenTile {
@@ -92,6 +111,225 @@ __device__ __forceinline__ void pk_write_lse(const PkAttnParams& p, int64_t tok,
                                              float m, float l) {
   if (p.lse != nullptr)
     static_cast<float*>(p.lse)[tok * p.num_heads + head] = l > 0.f ? m + logf(l) : -INFINITY;
+}
+
+// ------------------------------------------------------------------------------------------
+template <typename T, int HEAD_SIZE>
+__global__ void __launch_bounds__(PK_VARLEN_THREADS, 2)
+pk_varlen_mma_async_kernel(const PkAttnParams p) {
+  constexpr int D = HEAD_SIZE, DP = D + 8, BN = pk_varlen_async_bn(D), ROWS = PK_VARLEN_MMA_ROWS;
+  constexpr int THREADS = PK_VARLEN_THREADS, VEC = PkVec<T>::N, NVEC = D / VEC;
+  constexpr int KS = D / 16;   // k-slices of Q K^T
+  constexpr int NT = BN / 8;   // n-tiles of S
+  constexpr int DT = D / 8;    // n-tiles of O
+  constexpr bool Q_IN_REGS = D <= 128;
+  constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+  static_assert(D % 16 == 0, "mma path needs head_size % 16 == 0");
+  static_assert(!Q_IN_REGS || ROWS <= BN, "Q fits in one ring slot");
+  static_assert(BN * NVEC % THREADS == 0, "whole passes over a tile");
+  extern __shared__ float4 pk_smem4[];
+  T* ks = reinterpret_cast<T*>(pk_smem4);                 // [2][BN][DP]
+  T* vs = ks + 2 * BN * DP;                               // [2][BN][DP]
+  T* qs = Q_IN_REGS ? ks + BN * DP : vs + 2 * BN * DP;    // [ROWS][DP]
+
+  PkVarlenTile t;
+  if (!pk_varlen_locate(p, t)) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int n = static_cast<int>(t.kv_end - t.kv_lo);  // keys of this block (>= 1)
+  const int num_tiles = (n + BN - 1) / BN;
+
+  // Starts the copies of tile `tile` into ring slot `slot`, then commits (an empty group past
+  // the last tile keeps every thread's group count uniform). Rows past the block's keys are
+  // zero-filled without a load, so no key at a position >= kv_end is read.
+  const PkBlockMap bmap(static_cast<const int32_t*>(p.block_tables) + t.seq * p.bt_stride,
+                        static_cast<int>(p.block_size));
+  const T* kbase = static_cast<const T*>(p.k_cache) + t.kvh * p.k_stride_head;
+  const T* vbase = static_cast<const T*>(p.v_cache) + t.kvh * p.v_stride_head;
+  auto issue_tile = [&](int tile, int slot) {
+    if (tile < num_tiles) {
+#pragma unroll 2
+      for (int it = 0; it < BN * NVEC / THREADS; ++it) {
+        const int idx = it * THREADS + threadIdx.x;
+        const int row = idx / NVEC, v = idx % NVEC;
+        const int i = tile * BN + row;
+        const bool valid = i < n;
+        int64_t koff = 0, voff = 0;
+        if (valid) {
+          int bslot;
+          const int64_t block =
+              __ldg(bmap.table + bmap.index(static_cast<int>(t.kv_lo) + i, bslot));
+          koff = block * p.k_stride_block + static_cast<int64_t>(bslot) * p.k_stride_slot;
+          voff = block * p.v_stride_block + static_cast<int64_t>(bslot) * p.v_stride_slot;
+        }
+        const int at = (slot * BN + row) * DP + v * VEC;
+        pk_cp_async16(ks + at, kbase + koff + v * VEC, valid);
+        pk_cp_async16(vs + at, vbase + voff + v * VEC, valid);
+      }
+    }
+    pk_cp_async_commit();
+  };
+  issue_tile(0, 0);  // slot 0; Q goes to slot 1 (or its own region), so they overlap
+
+  // Q tile -> shared memory (rows past the tile or the group are zeros).
+  for (int idx = threadIdx.x; idx < ROWS * NVEC; idx += THREADS) {
+    const int r = idx / NVEC, v = idx % NVEC;
+    const uint4 raw = pk_varlen_q_piece<T, VEC>(p, t, r, v);
+    *reinterpret_cast<uint4*>(qs + r * DP + v * VEC) = raw;
+  }
+
+  // This lane's two rows (g and g + 8 of the warp's 16).
+  int64_t row_pos[2];
+  bool row_ok[2];
+  float slope2[2];  // ALiBi slope * log2(e)
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = warp * 16 + g + hr * 8;
+    const int tok = r / t.hc, h = r % t.hc;
+    row_ok[hr] = tok < t.ntok && h < t.nh;
+    row_pos[hr] = t.pos_lo + tok;
+    slope2[hr] = (row_ok[hr] && p.alibi_slopes != nullptr)
+                     ? LOG2E * __ldg(static_cast<const float*>(p.alibi_slopes) + t.head0 + h)
+                     : 0.f;
+  }
+  __syncthreads();  // Q is stored
+
+  auto load_q = [&](int kk, uint32_t (&frag)[4]) {
+    const int i = lane / 8, rr = lane % 8;
+    pk_ldmatrix_x4(frag, qs + (warp * 16 + rr + 8 * (i & 1)) * DP + kk * 16 + 8 * (i >> 1));
+  };
+  uint32_t qa[Q_IN_REGS ? KS : 1][4];
+  if constexpr (Q_IN_REGS) {
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) load_q(kk, qa[kk]);
+  }
+
+  // Scores go straight to base 2 (as in pk_decode_mma_kernel): logit * log2(e).
+  const float soft_cap = static_cast<float>(p.soft_cap);
+  const float qk_scale = static_cast<float>(p.scale) * (soft_cap > 0.f ? 1.f : LOG2E);
+  const int64_t window = p.sliding_window;
+  // The block's last row position; a tile is seen whole by every row when its last key is at
+  // or before the first row's position and (with a window) its first key is inside the last
+  // row's window.
+  const int64_t pos_hi = t.pos_lo + t.ntok - 1;
+
+  float o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // m in base-2 units
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int slot = tile & 1;
+    pk_cp_async_wait<0>();  // this thread's copies of `tile` have landed
+    // Everyone's have; slot ^ 1 (tile - 1, or Q in the first iteration) is no longer read.
+    __syncthreads();
+    issue_tile(tile + 1, slot ^ 1);
+    const T* kt = ks + slot * BN * DP;
+    const T* vt = vs + slot * BN * DP;
+    const int64_t kv0 = t.kv_lo + static_cast<int64_t>(tile) * BN;
+
+    // S = Q K^T for this warp's 16 rows: NT n-tiles of 8 keys, two per ldmatrix.
+    float s[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    {
+      const int i = lane / 8, rr = lane % 8;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        if constexpr (!Q_IN_REGS) load_q(kk, qa[0]);
+        const uint32_t* a = qa[Q_IN_REGS ? kk : 0];
+#pragma unroll
+        for (int kg = 0; kg < NT / 2; ++kg) {
+          uint32_t b[4];  // b[0..1]: keys 16kg..16kg+7, b[2..3]: 16kg+8..16kg+15
+          pk_ldmatrix_x4(b, kt + (kg * 16 + rr + 8 * (i >> 1)) * DP + kk * 16 + 8 * (i & 1));
+          PkMma<T>::run(s[2 * kg], a, b, s[2 * kg]);
+          PkMma<T>::run(s[2 * kg + 1], a, b + 2, s[2 * kg + 1]);
+        }
+      }
+    }
+
+    // Scores -> base-2 logits; masks only where some row of the block does not see the whole
+    // tile (the diagonal, the window's edge, the last tile).
+    const bool whole = kv0 + BN - 1 <= t.pos_lo && (window <= 0 || kv0 > pos_hi - window);
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int hr = c / 2;
+        const int64_t kv = kv0 + nt * 8 + 2 * tq + (c % 2);
+        float x = s[nt][c] * qk_scale;
+        if (soft_cap > 0.f) x = LOG2E * soft_cap * tanhf(x / soft_cap);
+        x = fmaf(slope2[hr], static_cast<float>(kv - row_pos[hr]), x);
+        if (!whole && !(row_ok[hr] && kv < t.kv_end && pk_visible(kv, row_pos[hr], window)))
+          x = -INFINITY;
+        s[nt][c] = x;
+        tile_max[hr] = fmaxf(tile_max[hr], x);
+      }
+    float alpha[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const float m_new = fmaxf(m[hr], pk_group_max<4>(tile_max[hr]));
+      alpha[hr] = m_new == -INFINITY ? 1.f : exp2f(m[hr] - m_new);
+      m[hr] = m_new;
+      l[hr] *= alpha[hr];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float mm = m[c / 2];
+        const float e = mm == -INFINITY ? 0.f : exp2f(s[nt][c] - mm);
+        s[nt][c] = e;
+        l[c / 2] += e;
+      }
+    // Rescale O only when some row's max moved (multiplying by exactly 1 changes nothing).
+    if (!__all_sync(PK_FULL_MASK, alpha[0] == 1.f && alpha[1] == 1.f)) {
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0];
+        o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
+      }
+    }
+
+    // O += P V: P's accumulator fragments are the A operand; V's through ldmatrix.trans.
+    {
+      const int i = lane / 8, rr = lane % 8;
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = pk_pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = pk_pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = pk_pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = pk_pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < DT / 2; ++dp) {
+          uint32_t b[4];  // b[0..1]: n-tile 2dp, b[2..3]: n-tile 2dp + 1
+          pk_ldmatrix_x4_trans(b, vt + (kk * 16 + rr + 8 * (i & 1)) * DP + (2 * dp + (i >> 1)) * 8);
+          PkMma<T>::run(o[2 * dp], a, b, o[2 * dp]);
+          PkMma<T>::run(o[2 * dp + 1], a, b + 2, o[2 * dp + 1]);
+        }
+      }
+    }
+  }
+  pk_cp_async_wait<0>();  // only an empty group remains; nothing may be in flight at exit
+
+  // Normalise and write this lane's elements of rows g and g + 8 (two per 32-bit store).
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const float lsum = pk_group_sum<4>(l[hr]);
+    if (!row_ok[hr]) continue;
+    const int r = warp * 16 + g + hr * 8;
+    const int64_t tok = t.tok0 + r / t.hc;
+    const int head = t.head0 + r % t.hc;
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    T* out = static_cast<T*>(p.out) + tok * p.o_stride_token + head * p.o_stride_head;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+      *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * tq) =
+          pk_pack2<T>(o[dt][2 * hr] * inv, o[dt][2 * hr + 1] * inv);
+    if (tq == 0) pk_write_lse(p, tok, head, m[hr] * LN2, lsum);
+  }
 }
 
 // ------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv
 KERNEL_DECODE, KERNEL_VARLEN_MMA, KERNEL_VARLEN_SIMT, KERNEL_DECODE_MMA = 0, 1, 2, 3
 THREADS = 128  # every attention kernel runs 4 warps (PK_DECODE_THREADS, PK_VARLEN_THREADS)
 DECODE_WARPS = 4
-VARLEN_BN = 32  # PK_VARLEN_BN
+VARLEN_BN = 32  # PK_VARLEN_BN (the synchronous varlen kernel)
 MMA_ROWS, SIMT_ROWS = 64, 16  # PK_VARLEN_MMA_ROWS, PK_VARLEN_SIMT_ROWS
 GROUP_TILES = (1, 2, 4, 8)
 #: Partition sizes (keys per split-K block) of the decode kernel.
@@ -54,7 +54,8 @@ MIN_PARTITION, MAX_PARTITION, DEFAULT_PARTITION = 64, 2048, 1024  # 1024: best m
 MAX_SPLITS = 64
 #: Forces the decode partition size (a multiple of 16 >= 16), for tests of the split-K path.
 PARTITION_ENV = "PAGED_KERNELS_CUDA_PARTITION"
-MMA_DECODE_ROWS, MMA_DECODE_BN = 16, 64  # PK_DECODE_MMA_ROWS, PK_DECODE_MMA_BN
+#: PK_DECODE_MMA_ROWS; the partition granularity of the mma decode kernel (its largest tile).
+MMA_DECODE_ROWS, MMA_DECODE_BN = 16, 64
 #: Dynamic shared memory one block may have on every supported GPU (sm_80: 163 KiB).
 MAX_SMEM = 163 * 1024
 #: Shared memory of one SM of an H100/H200 and what the driver reserves per block: only used to
@@ -68,6 +69,13 @@ MMA_BLOCK_OVERHEAD_KEYS = 96
 #: would be exceeded), for timing runs.
 STAGES_ENV = "PAGED_KERNELS_CUDA_DECODE_STAGES"
 MMA_DECODE_STAGES = (2, 3, 4)  # PK_DECODE_MMA_MAX_STAGES is the last
+#: Forces the mma decode kernel's tile: 64 keys (4 warps, the default) or 32 (2 warps, half the
+#: shared memory, so twice the blocks per SM), for timing runs.
+DECODE_TILE_ENV = "PAGED_KERNELS_CUDA_DECODE_TILE"
+MMA_DECODE_TILES = (64, 32)
+#: Chooses the 16-bit varlen kernel: 2 = K/V through a cp.async ring of 2 tiles (the default),
+#: 1 = the synchronous kernel it replaced (kept to compare on a GPU).
+VARLEN_STAGES_ENV = "PAGED_KERNELS_CUDA_VARLEN_STAGES"
 
 
 def mma_decode_stages(head_size: int) -> int:
@@ -82,9 +90,36 @@ def mma_decode_stages(head_size: int) -> int:
     return 2
 
 
-def mma_decode_min_blocks(head_size: int) -> int:
+def mma_decode_tile() -> int:
+    """Keys per tile of the mma decode kernel (16 per warp): 64 unless
+    `$PAGED_KERNELS_CUDA_DECODE_TILE` says 32 (not yet timed on a GPU, so not the default)."""
+    forced = os.environ.get(DECODE_TILE_ENV)
+    if forced:
+        if forced not in {str(n) for n in MMA_DECODE_TILES}:
+            raise ValueError(f"{DECODE_TILE_ENV}: expected 64 or 32, got {forced!r}")
+        return int(forced)
+    return MMA_DECODE_TILES[0]
+
+
+def mma_decode_min_blocks(head_size: int, warps: int = 4) -> int:
     """Blocks per SM the mma decode kernel's registers allow (pk_decode_mma_min_blocks)."""
-    return 4 if head_size <= 64 else 3 if head_size <= 128 else 2 if head_size <= 192 else 1
+    base = 4 if head_size <= 64 else 3 if head_size <= 128 else 2 if head_size <= 192 else 1
+    return base * 4 // warps
+
+
+def varlen_stages() -> int:
+    """2 (the cp.async-ring varlen kernel) unless `$PAGED_KERNELS_CUDA_VARLEN_STAGES` says 1."""
+    forced = os.environ.get(VARLEN_STAGES_ENV)
+    if forced:
+        if forced not in ("1", "2"):
+            raise ValueError(f"{VARLEN_STAGES_ENV}: expected 1 or 2, got {forced!r}")
+        return int(forced)
+    return 2
+
+
+def varlen_async_bn(head_size: int) -> int:
+    """Keys per K/V tile of the cp.async varlen kernel (pk_varlen_async_bn)."""
+    return 64 if head_size <= 128 else 32
 
 
 
@@ -172,7 +207,8 @@ class AttentionPlan:
     grid: tuple[int, int, int]
     smem_bytes: int
     reduce_grid: tuple[int, int]
-    stages: int = 0        # mma decode: depth of the K/V ring
+    stages: int = 0        # mma decode: depth of the K/V ring; 16-bit varlen: 2 ring, 1 sync
+    threads: int = THREADS  # mma decode: 32 per warp, 16 keys of its tile per warp
 
 
 def _decode_capacity(p: AttentionProblem) -> int:
@@ -239,7 +275,8 @@ def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     key = (p.is_decode, p.num_queries_per_kv, p.query.dtype, p.head_size, p.num_seqs,
            p.num_kv_heads, p.num_heads, p.num_tokens, p.block_tables.shape[1], p.block_size,
            p.sliding_window, num_sms, os.environ.get(PARTITION_ENV),
-           os.environ.get(STAGES_ENV))
+           os.environ.get(STAGES_ENV), os.environ.get(DECODE_TILE_ENV),
+           os.environ.get(VARLEN_STAGES_ENV))
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) > 4096:
@@ -251,27 +288,37 @@ def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
 _plans: dict[tuple, AttentionPlan] = {}
 
 
-def _mma_decode_smem(p: AttentionProblem, stages: int) -> int:
-    """Q tile, the K and V rings, and the rings' row offsets (two int64 per row)."""
+def _mma_decode_smem(p: AttentionProblem, stages: int, tile: int = MMA_DECODE_BN) -> int:
+    """The K and V rings, the rings' row offsets (two int64 per row) and, above head size 128,
+    the Q tile (up to 128 it lives in the K ring's last slot)."""
     pitch = p.head_size + 8
-    tiles = MMA_DECODE_ROWS * pitch + 2 * stages * MMA_DECODE_BN * pitch
-    return p.query.element_size() * tiles + 16 * stages * MMA_DECODE_BN
+    q_rows = MMA_DECODE_ROWS if p.head_size > 128 else 0
+    return p.query.element_size() * (q_rows + 2 * stages * tile) * pitch + 16 * stages * tile
 
 
 def _plan_decode_mma(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     rows = min(p.num_queries_per_kv, MMA_DECODE_ROWS)
     chunks = math.ceil(p.num_queries_per_kv / MMA_DECODE_ROWS)
+    tile = mma_decode_tile()
     stages = mma_decode_stages(p.head_size)
-    while stages > MMA_DECODE_STAGES[0] and _mma_decode_smem(p, stages) > MAX_SMEM:
+    while stages > MMA_DECODE_STAGES[0] and _mma_decode_smem(p, stages, tile) > MAX_SMEM:
         stages -= 1  # a forced depth that does not fit
-    smem = _mma_decode_smem(p, stages)
+    smem = _mma_decode_smem(p, stages, tile)
     per_sm = SMEM_PER_SM // (smem + SMEM_PER_BLOCK_RESERVED)
-    blocks = max(1, min(mma_decode_min_blocks(p.head_size), per_sm))
+    blocks = max(1, min(mma_decode_min_blocks(p.head_size, tile // 16), per_sm))
     ctas = p.num_seqs * p.num_kv_heads * chunks
     size, splits = _waves_partition(p, ctas, blocks * num_sms)
     return AttentionPlan(KERNEL_DECODE_MMA, MMA_DECODE_ROWS, rows, chunks, 1, splits, size,
                          (p.num_kv_heads * chunks, p.num_seqs, splits), smem,
-                         (p.num_heads, p.num_seqs), stages)
+                         (p.num_heads, p.num_seqs), stages, threads=2 * tile)
+
+
+def _varlen_async_smem(p: AttentionProblem) -> int:
+    """The K and V rings of the cp.async varlen kernel and, above head size 128, its Q tile (up
+    to 128 Q lives in the K ring's slot 1)."""
+    d, bn = p.head_size, varlen_async_bn(p.head_size)
+    q_rows = MMA_ROWS if d > 128 else 0
+    return p.query.element_size() * (4 * bn + q_rows) * (d + 8)
 
 
 def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
@@ -293,13 +340,16 @@ def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     chunks = math.ceil(group / hc)
     bq = rows // hc
     d = p.head_size
-    if mma:
+    stages = varlen_stages() if mma else 0
+    if stages == 2:
+        smem = _varlen_async_smem(p)
+    elif mma:
         smem = p.query.element_size() * ((MMA_ROWS + VARLEN_BN) * (d + 8) + d * (VARLEN_BN + 8))
     else:
         smem = 4 * (SIMT_ROWS * d + VARLEN_BN * (d + 1) + VARLEN_BN * d)
     return AttentionPlan(KERNEL_VARLEN_MMA if mma else KERNEL_VARLEN_SIMT, 1, hc, chunks, bq, 1,
                          0, (p.num_tokens // bq + p.num_seqs, p.num_kv_heads * chunks, 1), smem,
-                         (0, 0))
+                         (0, 0), stages)
 
 
 _CTYPE_OF_CODE = {code: CTYPES[dtype] for dtype, code in DTYPE_CODES.items()}
@@ -313,13 +363,14 @@ def attention_launches(v: dict[str, Any]) -> list[tuple[str, tuple[int, int, int
     grid = (v["grid_x"], v["grid_y"], v["grid_z"])
     if v["kernel"] in (KERNEL_DECODE, KERNEL_DECODE_MMA):
         name = (f"pk_decode_kernel<{t}, {d}, {v['group_tile']}>" if v["kernel"] == KERNEL_DECODE
-                else f"pk_decode_mma_kernel<{t}, {d}>")
+                else f"pk_decode_mma_kernel<{t}, {d}, {v['threads'] // 32}>")
         launches = [(name, grid, v["threads"], v["smem_bytes"])]
         if v["num_splits"] > 1:
             launches.append((f"pk_decode_reduce_kernel<{t}>",
                              (v["reduce_grid_x"], v["reduce_grid_y"], 1), v["reduce_threads"], 0))
         return launches
-    kind = "mma" if v["kernel"] == KERNEL_VARLEN_MMA else "simt"
+    kind = ("simt" if v["kernel"] == KERNEL_VARLEN_SIMT
+            else "mma_async" if v["stages"] == 2 else "mma")
     return [(f"pk_varlen_{kind}_kernel<{t}, {d}>", grid, v["threads"], v["smem_bytes"])]
 
 
@@ -378,7 +429,7 @@ def _attn_values(p: AttentionProblem, plan: AttentionPlan, q: torch.Tensor, k: t
         "dtype": DTYPE_CODES[p.query.dtype], "kernel": plan.kernel, "group_tile": plan.group_tile,
         "q_tile_tokens": plan.q_tile_tokens, "stages": plan.stages,
         "grid_x": plan.grid[0], "grid_y": plan.grid[1],
-        "grid_z": plan.grid[2], "threads": THREADS, "smem_bytes": plan.smem_bytes,
+        "grid_z": plan.grid[2], "threads": plan.threads, "smem_bytes": plan.smem_bytes,
         "reduce_grid_x": plan.reduce_grid[0], "reduce_grid_y": plan.reduce_grid[1],
         "reduce_threads": THREADS, "scale": p.scale, "soft_cap": float(p.soft_cap or 0.0),
     }
