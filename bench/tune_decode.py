@@ -1,16 +1,17 @@
-"""`python -m bench.tune_decode`: the decode launch choices of the GPU backends, timed side by side.
+"""`python -m bench.tune_decode`: the launch choices of the GPU backends, timed side by side.
 
-A lent GPU comes for minutes, so the choices that decide decode speed are timed in one command:
-each *variant* is a backend plus settings, measured at the headline decode shapes (head size 128,
-32 query heads over 8 KV heads, bf16, block size 16) by CUDA-graph replay, next to torch SDPA on
-the same K/V stored contiguously. A variant's settings are environment variables
-(`PAGED_KERNELS_*`, read by the backends at call time) or, for triton, the split heuristic's
-constants (`triton_impl.decode.PROGRAMS_PER_SM`, `MIN_SPLIT_TOKENS`); each is set for that
-variant's runs only. Prints one table; `--out FILE` writes every row as JSON.
+A lent GPU comes for minutes, so the choices that decide decode (and prefill) speed are timed in
+one command: each *variant* is a backend plus settings, measured by CUDA-graph replay at the
+headline decode shapes (head size 128, 32 query heads over 8 KV heads, bf16, block size 16) and,
+with the prefill variants, at causal prefill shapes, next to torch SDPA on the same K/V stored
+contiguously. A variant's settings are environment variables (`PAGED_KERNELS_*`, read by the
+backends at call time; the CUDA planner's are checked before any timing) or, for triton, the
+split heuristic's constants (`triton_impl.decode.PROGRAMS_PER_SM`, `MIN_SPLIT_TOKENS`); each is
+set for that variant's runs only. Prints one table; `--out FILE` writes every row as JSON.
 
-    python -m bench.tune_decode                       # the default variants below
+    python -m bench.tune_decode                       # the default variants and shapes below
     python -m bench.tune_decode --variants "triton" "triton:PROGRAMS_PER_SM=8" \\
-        "cuda:PAGED_KERNELS_CUDA_PARTITION=512"
+        "cuda:PAGED_KERNELS_CUDA_PARTITION=512" --prefill-shapes   # decode only
 """
 
 from __future__ import annotations
@@ -20,18 +21,28 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 import torch
 
 from bench import kernels
 from bench.ceilings import copy_bandwidth
+from cuda.paged_cuda import ops
 
-SHAPES = [(1, 16384), (32, 1024), (32, 4096), (32, 16384), (128, 4096)]
-VARIANTS = ["triton", "triton:PROGRAMS_PER_SM=8", "triton:PROGRAMS_PER_SM=4",
-            "triton:PAGED_KERNELS_TRITON_SPLIT_SIZE=1024",
-            "cuda", "cuda:PAGED_KERNELS_CUDA_DECODE_STAGES=3"]
+SHAPES = [(1, 16384), (32, 1024), (32, 4096), (32, 16384), (128, 1024), (128, 4096)]
+#: The CUDA decode kernel's choices (docs/cuda.md, "Tuning on a GPU"): the default (64-key tiles,
+#: 4 warps, ring of 2: 3 blocks per SM at head size 128), 3 stages, and 32-key tiles with 2 warps
+#: (6 blocks per SM at 2 stages, 4 at 3), with the wave model's partition and a fixed one.
+VARIANTS = ["triton", "cuda", "cuda:PAGED_KERNELS_CUDA_DECODE_STAGES=3",
+            "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32",
+            "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32,PAGED_KERNELS_CUDA_DECODE_STAGES=3",
+            "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32,PAGED_KERNELS_CUDA_PARTITION=1024"]
+#: Causal prefill (batch, context, query tokens per sequence): one long prompt, and a batch of
+#: chunks on a cached prefix.
+PREFILL_SHAPES = [(1, 4096, 4096), (8, 8192, 512)]
+#: The CUDA varlen kernel with its cp.async ring (the default) and the synchronous one.
+PREFILL_VARIANTS = ["triton", "cuda", "cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=1"]
 TRITON_CONSTANTS = ("PROGRAMS_PER_SM", "MIN_SPLIT_TOKENS")
 
 
@@ -47,7 +58,23 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
             raise ValueError(f"variant {text!r}: {name!r} is neither a PAGED_KERNELS_* "
                              f"environment variable nor one of {TRITON_CONSTANTS}")
         settings[name] = value
+    ops.check_plan_env(settings)
     return backend, settings
+
+
+def parse_shape(text: str) -> kernels.Shape:
+    """`"BATCHxCONTEXT"` -> a decode shape; `"BATCHxCONTEXTxQUERIES"` -> a causal prefill of
+    QUERIES tokens per sequence (the last ones of its CONTEXT)."""
+    try:
+        sizes = [int(n) for n in text.lower().split("x")]
+    except ValueError:
+        sizes = []
+    if len(sizes) not in (2, 3) or min(sizes) < 1 or (len(sizes) == 3 and sizes[2] > sizes[1]):
+        raise ValueError(f"shape: expected BATCHxCONTEXT or BATCHxCONTEXTxQUERIES (QUERIES <= "
+                         f"CONTEXT, all positive), got {text!r}")
+    if len(sizes) == 2:
+        return kernels.Shape("decode", sizes[0], sizes[1])
+    return kernels.Shape("prefill", sizes[0], sizes[1], sizes[2])
 
 
 @contextlib.contextmanager
@@ -76,9 +103,11 @@ def applied(settings: dict[str, str]) -> Iterator[None]:
 
 
 def measure_variant(text: str, shape: kernels.Shape, copy_gbps: float, repeat: int) -> dict:
-    """One variant at one shape: graph-replay time, GB/s and fraction of the copy bandwidth."""
+    """One variant at one shape: graph-replay time, GB/s, fraction of the copy bandwidth and
+    TFLOP/s."""
     backend, settings = parse_variant(text)
-    row = {"variant": text, "batch": shape.batch, "context": shape.context}
+    row = {"variant": text, "kind": shape.kind, "batch": shape.batch, "context": shape.context,
+           "q_len": shape.q_len}
     try:
         with applied(settings):
             prepared = kernels.prepare(backend, shape, torch.bfloat16, "cuda")
@@ -89,15 +118,14 @@ def measure_variant(text: str, shape: kernels.Shape, copy_gbps: float, repeat: i
         return {**row, "error": f"{type(exc).__name__}: {exc}"[:300]}
     gbps = prepared.bytes_moved / seconds / 1e9
     return {**row, "us": seconds * 1e6, "GB/s": gbps, "frac_copy": gbps / copy_gbps,
-            "rel_err_vs_sdpa": err}
+            "TFLOP/s": prepared.flops / seconds / 1e12, "rel_err_vs_sdpa": err}
 
 
-def run(variants: Sequence[str], shapes: Sequence[tuple[int, int]], repeat: int) -> list[dict]:
+def run(variants: Sequence[str], shapes: Sequence[kernels.Shape], repeat: int) -> list[dict]:
     """Every variant (and SDPA) at every shape; adds `x_sdpa`, the time over SDPA's."""
     copy_gbps = copy_bandwidth("cuda")["copy_GBps"]
     rows = []
-    for batch, context in shapes:
-        shape = kernels.Shape("decode", batch, context)
+    for shape in shapes:
         base = measure_variant(kernels.SDPA, shape, copy_gbps, repeat)
         for text in [kernels.SDPA, *variants]:
             row = base if text == kernels.SDPA else measure_variant(text, shape, copy_gbps, repeat)
@@ -109,36 +137,51 @@ def run(variants: Sequence[str], shapes: Sequence[tuple[int, int]], repeat: int)
 
 
 def format_row(r: dict) -> str:
+    where = f"{r['variant']:<44} {r['batch']:>5} {r['context']:>6} {r['q_len']:>5}"
     if "error" in r:
-        return f"{r['variant']:<44} {r['batch']:>5} {r['context']:>6}  error: {r['error'][:80]}"
+        return f"{where}  error: {r['error'][:80]}"
     err = r.get("rel_err_vs_sdpa")
-    return (f"{r['variant']:<44} {r['batch']:>5} {r['context']:>6} {r['us']:>9.1f} "
-            f"{r['frac_copy']:>6.1%} {r.get('x_sdpa', 1.0):>6.2f} "
-            f"{'-' if err is None else format(err, '.1e'):>8}")
+    return (f"{where} {r['us']:>9.1f} {r['frac_copy']:>6.1%} {r['TFLOP/s']:>7.1f} "
+            f"{r.get('x_sdpa', 1.0):>6.2f} {'-' if err is None else format(err, '.1e'):>8}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tune_decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", nargs="+", default=VARIANTS)
-    parser.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES],
+    parser.add_argument("--variants", nargs="+", default=VARIANTS,
+                        help="variants timed at the decode shapes")
+    parser.add_argument("--shapes", nargs="*", default=[f"{b}x{c}" for b, c in SHAPES],
                         help="decode shapes as BATCHxCONTEXT (default: %(default)s)")
+    parser.add_argument("--prefill-variants", nargs="+", default=PREFILL_VARIANTS,
+                        help="variants timed at the prefill shapes")
+    parser.add_argument("--prefill-shapes", nargs="*",
+                        default=[f"{b}x{c}x{q}" for b, c, q in PREFILL_SHAPES],
+                        help="causal prefill shapes as BATCHxCONTEXTxQUERIES (default: "
+                             "%(default)s; none: decode only)")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="JSON file for every row")
     args = parser.parse_args(argv)
-    for text in args.variants:
-        parse_variant(text)  # fail before any timing
-    try:
-        shapes = [tuple(int(n) for n in text.lower().split("x")) for text in args.shapes]
-    except ValueError:
+    parsed = {}
+    for flag, items, parse in [("--variants", args.variants, parse_variant),
+                               ("--prefill-variants", args.prefill_variants, parse_variant),
+                               ("--shapes", args.shapes, parse_shape),
+                               ("--prefill-shapes", args.prefill_shapes, parse_shape)]:
+        try:  # fail before any timing
+            parsed[flag] = [parse(text) for text in items]
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
+    decode, prefill = parsed["--shapes"], parsed["--prefill-shapes"]
+    if any(s.kind != "decode" for s in decode):
         parser.error(f"--shapes: expected BATCHxCONTEXT items, got {args.shapes}")
-    if any(len(s) != 2 or min(s) < 1 for s in shapes):
-        parser.error(f"--shapes: expected BATCHxCONTEXT with positive sizes, got {args.shapes}")
+    if any(s.kind != "prefill" for s in prefill):
+        parser.error(f"--prefill-shapes: expected BATCHxCONTEXTxQUERIES items, got "
+                     f"{args.prefill_shapes}")
     if not torch.cuda.is_available():
-        parser.error("needs a CUDA device (decode launch choices only matter on a GPU)")
-    print(f"{'variant':<44} {'batch':>5} {'ctx':>6} {'graph us':>9} {'%copy':>6} "
-          f"{'xSDPA':>6} {'err':>8}", flush=True)
-    rows = run(args.variants, shapes, args.repeat)
+        parser.error("needs a CUDA device (launch choices only matter on a GPU)")
+    print(f"{'variant':<44} {'batch':>5} {'ctx':>6} {'q':>5} {'graph us':>9} {'%copy':>6} "
+          f"{'TFLOP/s':>7} {'xSDPA':>6} {'err':>8}", flush=True)
+    rows = run(args.variants, decode, args.repeat) + run(args.prefill_variants, prefill,
+                                                         args.repeat)
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=1))
     return 0

@@ -23,7 +23,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -76,13 +76,15 @@ MMA_DECODE_TILES = (64, 32)
 #: Chooses the 16-bit varlen kernel: 2 = K/V through a cp.async ring of 2 tiles (the default),
 #: 1 = the synchronous kernel it replaced (kept to compare on a GPU).
 VARLEN_STAGES_ENV = "PAGED_KERNELS_CUDA_VARLEN_STAGES"
+#: Every environment variable the planner reads (timing runs set them per variant).
+PLAN_ENVS = (PARTITION_ENV, STAGES_ENV, DECODE_TILE_ENV, VARLEN_STAGES_ENV)
 
 
-def mma_decode_stages(head_size: int) -> int:
+def mma_decode_stages(head_size: int, env: Mapping[str, str] = os.environ) -> int:
     """Depth of the mma decode kernel's K/V ring: 2 tiles (measured on an H200 at head size 128:
     2 stages, 3 blocks per SM, gave 83 % of copy bandwidth; 3 stages, 2 blocks, 66 %; 4 stages,
     1 block, 39 %); `$PAGED_KERNELS_CUDA_DECODE_STAGES` overrides it."""
-    forced = os.environ.get(STAGES_ENV)
+    forced = env.get(STAGES_ENV)
     if forced:
         if forced not in {str(n) for n in MMA_DECODE_STAGES}:
             raise ValueError(f"{STAGES_ENV}: expected 2, 3 or 4, got {forced!r}")
@@ -90,10 +92,10 @@ def mma_decode_stages(head_size: int) -> int:
     return 2
 
 
-def mma_decode_tile() -> int:
+def mma_decode_tile(env: Mapping[str, str] = os.environ) -> int:
     """Keys per tile of the mma decode kernel (16 per warp): 64 unless
     `$PAGED_KERNELS_CUDA_DECODE_TILE` says 32 (not yet timed on a GPU, so not the default)."""
-    forced = os.environ.get(DECODE_TILE_ENV)
+    forced = env.get(DECODE_TILE_ENV)
     if forced:
         if forced not in {str(n) for n in MMA_DECODE_TILES}:
             raise ValueError(f"{DECODE_TILE_ENV}: expected 64 or 32, got {forced!r}")
@@ -107,9 +109,9 @@ def mma_decode_min_blocks(head_size: int, warps: int = 4) -> int:
     return base * 4 // warps
 
 
-def varlen_stages() -> int:
+def varlen_stages(env: Mapping[str, str] = os.environ) -> int:
     """2 (the cp.async-ring varlen kernel) unless `$PAGED_KERNELS_CUDA_VARLEN_STAGES` says 1."""
-    forced = os.environ.get(VARLEN_STAGES_ENV)
+    forced = env.get(VARLEN_STAGES_ENV)
     if forced:
         if forced not in ("1", "2"):
             raise ValueError(f"{VARLEN_STAGES_ENV}: expected 1 or 2, got {forced!r}")
@@ -120,6 +122,19 @@ def varlen_stages() -> int:
 def varlen_async_bn(head_size: int) -> int:
     """Keys per K/V tile of the cp.async varlen kernel (pk_varlen_async_bn)."""
     return 64 if head_size <= 128 else 32
+
+
+def check_plan_env(settings: Mapping[str, str]) -> None:
+    """Raises ValueError if `settings` has a PAGED_KERNELS_CUDA_* name the planner does not read
+    or a value it would refuse (so a timing run fails before it times a misspelt variant)."""
+    for name in settings:
+        if name.startswith("PAGED_KERNELS_CUDA_") and name not in PLAN_ENVS:
+            raise ValueError(f"{name}: not a setting of the CUDA planner; expected one of "
+                             f"{PLAN_ENVS}")
+    mma_decode_stages(128, settings)
+    mma_decode_tile(settings)
+    varlen_stages(settings)
+    _forced_partition(settings)
 
 
 
@@ -217,8 +232,8 @@ def _decode_capacity(p: AttentionProblem) -> int:
     return capacity if p.sliding_window is None else min(capacity, p.sliding_window)
 
 
-def _forced_partition() -> int | None:
-    forced = os.environ.get(PARTITION_ENV)
+def _forced_partition(env: Mapping[str, str] = os.environ) -> int | None:
+    forced = env.get(PARTITION_ENV)
     if not forced:
         return None
     if not forced.isdigit() or int(forced) < 16 or int(forced) % 16:
