@@ -23,7 +23,8 @@
 //   slots: the next tile is in flight while the current one is used. S = Q K^T and O += P V with
 //   mma.m16n8k16, operands through ldmatrix (V row-major with .trans, so no transposing store);
 //   online softmax in registers in base 2 (each lane holds rows g and g + 8 of its warp's 16);
-//   float32 accumulation. Tiles every row of the block sees whole skip the per-key masks.
+//   float32 accumulation. Tiles every row of the block sees whole skip the per-key masks. Tile
+//   x of the grid is tile gridDim.x - 1 - x of the list above (longest blocks first).
 //   Shared memory (ops.py `_varlen_async_smem`): K and V rings [2][BN][DP] (T, DP = HEAD_SIZE +
 //   8), and Q [64][DP]: up to head size 128 in the K ring's slot 1 (its fragments go to
 //   registers before that slot's first copy, which is issued after a barrier), else after the
@@ -60,11 +61,12 @@ struct PkVarlenTile {
   int64_t seq_len, tok0, pos_lo, kv_lo, kv_end;
 };
 
-// Finds this block's sequence and tile; false when the block has no query token.
-__device__ __forceinline__ bool pk_varlen_locate(const PkAttnParams& p, PkVarlenTile& t) {
+// Finds the sequence and tile of tile index `bx` (blockIdx.x, or its reverse); false when the
+// tile has no query token.
+__device__ __forceinline__ bool pk_varlen_locate(const PkAttnParams& p, int bx,
+                                                 PkVarlenTile& t) {
   const int bq = static_cast<int>(p.q_tile_tokens);
   const int32_t* cu = static_cast<const int32_t*>(p.cu_seqlens_q);
-  const int bx = blockIdx.x;
   int lo = 0, hi = static_cast<int>(p.num_seqs) - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -132,8 +134,10 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
   T* vs = ks + 2 * BN * DP;                               // [2][BN][DP]
   T* qs = Q_IN_REGS ? ks + BN * DP : vs + 2 * BN * DP;    // [ROWS][DP]
 
+  // Tiles in reverse order: a sequence's last query tiles see the most keys (causal), so the
+  // longest blocks start first and the short ones fill the last wave.
   PkVarlenTile t;
-  if (!pk_varlen_locate(p, t)) return;
+  if (!pk_varlen_locate(p, static_cast<int>(gridDim.x - 1 - blockIdx.x), t)) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, tq = lane % 4;
   const int n = static_cast<int>(t.kv_end - t.kv_lo);  // keys of this block (>= 1)
@@ -348,7 +352,7 @@ pk_varlen_mma_kernel(const PkAttnParams p) {
   T* vt = ks + BN * DP;                    // [D][BNP]
 
   PkVarlenTile t;
-  if (!pk_varlen_locate(p, t)) return;
+  if (!pk_varlen_locate(p, blockIdx.x, t)) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, tq = lane % 4;
   const int block_size = static_cast<int>(p.block_size);
@@ -517,7 +521,7 @@ pk_varlen_simt_kernel(const PkAttnParams p) {
   float* vs = ks + BN * KP;                         // [BN][D]
 
   PkVarlenTile t;
-  if (!pk_varlen_locate(p, t)) return;
+  if (!pk_varlen_locate(p, blockIdx.x, t)) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int block_size = static_cast<int>(p.block_size);
   const float scale = static_cast<float>(p.scale), soft_cap = static_cast<float>(p.soft_cap);
