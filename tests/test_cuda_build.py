@@ -127,6 +127,33 @@ def test_jit_launches_exactly_the_planned_kernels(dtype, kernel, ctype) -> None:
     assert calls == expected
 
 
+@pytest.mark.parametrize("env,kernel", [
+    ({}, "pk_varlen_mma_async_kernel<__nv_bfloat16, 128>"),
+    ({ops.VARLEN_STAGES_ENV: "1"}, "pk_varlen_mma_kernel<__nv_bfloat16, 128>"),
+    ({ops.DECODE_TILE_ENV: "32"}, "pk_decode_mma_kernel<__nv_bfloat16, 128, 2>")])
+def test_jit_launches_the_forced_kernel_choices(monkeypatch, env, kernel) -> None:
+    """The JIT dispatch of the choices the environment forces: the varlen kernel (cp.async ring
+    or synchronous) from its header, the 2-warp decode kernel with 64 threads."""
+    import torch
+
+    from cuda.paged_cuda import jit
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    module = jit.JitModule.__new__(jit.JitModule)
+    calls = []
+    module._run = lambda header, name, grid, threads, smem, stream, params: calls.append(
+        (header, name, threads))
+    decode = ops.DECODE_TILE_ENV in env
+    problem = _problem(torch.bfloat16, (32, 8), None if decode else [5, 1, 9])
+    plan = ops.plan_attention(problem, num_sms=132)
+    values = ops._attn_values(problem, plan, problem.query, problem.key_cache,
+                              problem.value_cache, problem.out, None)
+    module.paged_attention(ops.pack("attn", values), 0)
+    header = "pk_decode.cuh" if decode else "pk_varlen.cuh"
+    assert calls[0] == (header, kernel, 64 if decode else 128)
+
+
 def test_ptxas_report_parser_reads_spills_and_registers() -> None:
     log = """ptxas info    : Compiling entry function '_Z3fooi' for 'sm_90'
 ptxas info    : Function properties for _Z3fooi
