@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 PREEMPTION_MODES = ("recompute", "swap")
-QUANTIZATION_MODES = ("auto", "gguf", "none")  # see engine/model/quant.py
+QUANTIZATION_MODES = ("auto", "gguf", "gguf-int8", "none")  # see docs/quant.md
 
 
 def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
@@ -39,8 +39,9 @@ class EngineConfig:
     - `max_model_len`: most tokens (prompt + output) in one sequence; None = from the model.
     - `backend`: the attention backend name passed to `paged_kernels` ("auto" by default).
     - `quantization`: how a model is loaded when the engine loads it (docs/quant.md): "gguf"
-      multiplies small batches by a GGUF file's own Q4_1/Q8_0 blocks, "none" (or None) uses
-      dense weights only, "auto" (default) is "gguf" wherever it applies.
+      multiplies small batches by a GGUF file's own Q4_1/Q8_0 blocks, "gguf-int8" every matmul
+      (int8 activations, llama.cpp's scheme), "none" (or None) uses dense weights only, "auto"
+      (default) is "gguf" wherever it applies.
     """
 
     block_size: int = 16

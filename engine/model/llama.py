@@ -23,6 +23,7 @@ from torch import nn
 from engine.model import layer_ops
 from engine.model.metadata import AttentionMetadata
 from engine.model.quant import QuantizedWeight, quantized_linear
+from engine.model.quant_int8 import int8_linear
 from paged_kernels.attention import AttentionPlan, plan
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -103,10 +104,13 @@ def _rotary_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _linear(x: torch.Tensor, weight: Union[torch.Tensor, QuantizedWeight]) -> torch.Tensor:
-    """`x @ weight.T`: from the GGUF blocks of a `QuantizedWeight` when `x` has few rows
+    """`x @ weight.T`: with int8 activations when a `QuantizedWeight` has int8 tiles
+    (engine/model/quant_int8.py), from its GGUF blocks when `x` has few rows
     (engine/model/quant.py), else through oneDNN directly when the weight was packed by
     `pack_weights`."""
     if isinstance(weight, QuantizedWeight):
+        if weight.int8 is not None:
+            return int8_linear(x, weight.int8)
         if weight.use_blocks(x):
             return quantized_linear(x, weight.blocks)
         weight = weight.dense

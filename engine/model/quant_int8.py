@@ -1,0 +1,97 @@
+"""Int8 matmuls on a GGUF file's weights (`quantization="gguf-int8"`): llama.cpp's CPU scheme.
+
+The projection weights keep the file's Q4_1 / Q8_0 values exactly, repacked once at load time into
+tiles of 16 output features (`Int8Weight`); every matmul quantizes its activations to int8 per
+block of 32 (scale = absmax / 127, round half to even) and sums the products in int32 with AVX-512
+VNNI (`vpdpbusd`, 64 products per instruction: twice the multiply rate of the bfloat16 dot product
+on Zen 4, and a quarter of bfloat16's weight bytes for Q4_1). Only the activations are
+approximated: a relative error of up to 1/254 of each block's largest value per element, as in
+llama.cpp. `engine/csrc/int8_matmul.cpp` states the arithmetic and the packed layout exactly;
+docs/quant.md has the measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.model.quant import GGUFBlocks
+    from engine.native_build import Int8Kernel
+
+__all__ = ["Int8Weight", "pack_int8", "int8_linear", "int8_kernel_problem"]
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """One `[rows, cols]` weight in the int8 kernel's tiled layout: `packed` is uint8, `qtype`
+    the GGUF format it came from ("Q4_1" or "Q8_0")."""
+
+    qtype: str
+    packed: torch.Tensor
+    rows: int
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+
+def pack_int8(blocks: "GGUFBlocks", kernel: Optional["Int8Kernel"] = None) -> Int8Weight:
+    """The tiled form of `blocks` (the same weights, bit for bit). `kernel`: a build of the
+    kernel (tests pass the portable one); default this machine's."""
+    kernel = _resolve(kernel)
+    rows, cols = blocks.shape
+    return Int8Weight(blocks.qtype, kernel.pack(blocks, torch.get_num_threads()), rows, cols)
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight,
+                kernel: Optional["Int8Kernel"] = None) -> torch.Tensor:
+    """`x @ W.T` for `x` `[M, cols]` (float32 or bfloat16, CPU), with x quantized to int8 per
+    block of 32 and W the file's exact weights; returns `[M, rows]` in x's dtype (bfloat16
+    rounded to nearest even once). Runs on torch's thread count; the result does not depend
+    on it."""
+    if x.dim() != 2 or x.shape[1] != weight.cols or x.dtype not in _X_DTYPES or not x.is_cpu:
+        raise _bad_x(x, weight)  # one combined test: this runs ~120 times per decode step
+    kernel = _resolve(kernel)
+    threads = torch.get_num_threads()
+    xq, xd, xs = kernel.quantize(x.contiguous(), threads)
+    return kernel.matmul(weight.packed, weight.qtype, weight.rows, xq, xd, xs, x.dtype, threads)
+
+
+_X_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _bad_x(x: torch.Tensor, weight: Int8Weight) -> ValueError:
+    if x.dim() != 2 or x.shape[1] != weight.cols:
+        return ValueError(f"x: expected a [M, {weight.cols}] tensor, got {tuple(x.shape)}")
+    return ValueError(f"x: expected a float32 or bfloat16 CPU tensor, got {x.dtype} on "
+                      f"{x.device}")
+
+
+_extension = None
+
+
+def _resolve(kernel: Optional["Int8Kernel"]) -> "Int8Kernel":
+    global _extension
+    if kernel is not None:
+        return kernel
+    if _extension is None:
+        from engine.native_build import load_int8
+
+        _extension = load_int8()
+    return _extension
+
+
+def int8_kernel_problem() -> Optional[str]:
+    """None when the int8 kernel builds (or is built) on this machine, else what is missing.
+    A machine without AVX-512 VNNI gets the portable (slow) path, which is not a problem."""
+    from engine.native_build import BuildFailed
+
+    try:
+        _resolve(None)
+    except BuildFailed as exc:
+        return f"its C++ kernel, which did not build: {exc}"
+    return None
