@@ -44,8 +44,10 @@ VARIANTS = ["triton", "cuda", "cuda:PAGED_KERNELS_CUDA_DECODE_STAGES=3",
 #: Causal prefill (batch, context, query tokens per sequence): one long prompt, and a batch of
 #: chunks on a cached prefix.
 PREFILL_SHAPES = [(1, 4096, 4096), (8, 8192, 512)]
-#: The CUDA varlen kernel with its cp.async ring (the default) and the synchronous one.
-PREFILL_VARIANTS = ["triton", "cuda", "cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=1"]
+#: The CUDA varlen kernel with its cp.async ring (the default, 4 warps: 64 query rows per
+#: block), the same with 8 warps (128 rows), and the synchronous kernel it replaced.
+PREFILL_VARIANTS = ["triton", "cuda", "cuda:PAGED_KERNELS_CUDA_VARLEN_WARPS=8",
+                    "cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=1"]
 TRITON_CONSTANTS = ("PROGRAMS_PER_SM", "MIN_SPLIT_TOKENS")
 
 

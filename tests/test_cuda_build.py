@@ -52,7 +52,8 @@ def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
                 wanted |= {f"pk_decode_kernel<{ctype}, {d}, {g}>" for g in ops.GROUP_TILES}
             else:
                 wanted |= {f"pk_varlen_mma_kernel<{ctype}, {d}>",
-                           f"pk_varlen_mma_async_kernel<{ctype}, {d}>",
+                           f"pk_varlen_mma_async_kernel<{ctype}, {d}, 4>",
+                           f"pk_varlen_mma_async_kernel<{ctype}, {d}, 8>",
                            f"pk_decode_mma_kernel<{ctype}, {d}, 4>",
                            f"pk_decode_mma_kernel<{ctype}, {d}, 2>"}
         wanted.add(f"pk_decode_reduce_kernel<{ctype}>")
@@ -80,11 +81,13 @@ def _problem(dtype, heads: tuple[int, int], q_lens, head_size: int = 128, block_
 PLANNED = [(dtype, heads, q_lens) for dtype in ("float32", "float16", "bfloat16")
            for heads in ((4, 4), (8, 4), (6, 2), (8, 1), (64, 2)) for q_lens in (None, [5, 1, 9])]
 #: Every kernel choice the environment can force (decode tile, varlen kernel), and the defaults.
-FORCED = [{}, {ops.DECODE_TILE_ENV: "32"}, {ops.VARLEN_STAGES_ENV: "1"}]
+FORCED = [{}, {ops.DECODE_TILE_ENV: "32"}, {ops.VARLEN_STAGES_ENV: "1"},
+          {ops.VARLEN_WARPS_ENV: "8"}]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("env", FORCED, ids=["default", "decode-tile-32", "varlen-sync"])
+@pytest.mark.parametrize("env", FORCED, ids=["default", "decode-tile-32", "varlen-sync",
+                                             "varlen-8-warps"])
 @pytest.mark.parametrize("dtype,heads,q_lens", PLANNED)
 def test_every_launch_a_plan_makes_is_compiled(reports, monkeypatch, env, dtype, heads,
                                                q_lens) -> None:
@@ -99,7 +102,7 @@ def test_every_launch_a_plan_makes_is_compiled(reports, monkeypatch, env, dtype,
         problem, plan, problem.query, problem.key_cache, problem.value_cache, problem.out, None)))
     for name, grid, threads, smem in ops.attention_launches(values):
         assert name in compiled, f"{name} is launched by the plan but not compiled"
-        assert threads in (64, ops.THREADS) and min(grid) >= 1 and smem >= 0
+        assert threads in (64, ops.THREADS, 256) and min(grid) >= 1 and smem >= 0
 
 
 @pytest.mark.parametrize("dtype,kernel,ctype", [
@@ -127,13 +130,17 @@ def test_jit_launches_exactly_the_planned_kernels(dtype, kernel, ctype) -> None:
     assert calls == expected
 
 
-@pytest.mark.parametrize("env,kernel", [
-    ({}, "pk_varlen_mma_async_kernel<__nv_bfloat16, 128>"),
-    ({ops.VARLEN_STAGES_ENV: "1"}, "pk_varlen_mma_kernel<__nv_bfloat16, 128>"),
-    ({ops.DECODE_TILE_ENV: "32"}, "pk_decode_mma_kernel<__nv_bfloat16, 128, 2>")])
-def test_jit_launches_the_forced_kernel_choices(monkeypatch, env, kernel) -> None:
+@pytest.mark.parametrize("env,kernel,threads", [
+    ({}, "pk_varlen_mma_async_kernel<__nv_bfloat16, 128, 4>", 128),
+    ({ops.VARLEN_WARPS_ENV: "8"}, "pk_varlen_mma_async_kernel<__nv_bfloat16, 128, 8>", 256),
+    ({ops.VARLEN_STAGES_ENV: "1"}, "pk_varlen_mma_kernel<__nv_bfloat16, 128>", 128),
+    ({ops.VARLEN_STAGES_ENV: "1", ops.VARLEN_WARPS_ENV: "8"},
+     "pk_varlen_mma_kernel<__nv_bfloat16, 128>", 128),
+    ({ops.DECODE_TILE_ENV: "32"}, "pk_decode_mma_kernel<__nv_bfloat16, 128, 2>", 64)])
+def test_jit_launches_the_forced_kernel_choices(monkeypatch, env, kernel, threads) -> None:
     """The JIT dispatch of the choices the environment forces: the varlen kernel (cp.async ring
-    or synchronous) from its header, the 2-warp decode kernel with 64 threads."""
+    with 4 or 8 warps, or synchronous, which ignores the warps) from its header, the 2-warp
+    decode kernel with 64 threads."""
     import torch
 
     from cuda.paged_cuda import jit
@@ -151,7 +158,7 @@ def test_jit_launches_the_forced_kernel_choices(monkeypatch, env, kernel) -> Non
                               problem.value_cache, problem.out, None)
     module.paged_attention(ops.pack("attn", values), 0)
     header = "pk_decode.cuh" if decode else "pk_varlen.cuh"
-    assert calls[0] == (header, kernel, 64 if decode else 128)
+    assert calls[0] == (header, kernel, threads)
 
 
 def test_ptxas_report_parser_reads_spills_and_registers() -> None:
@@ -246,23 +253,33 @@ def test_decode_mma_tile_32_halves_shared_memory(monkeypatch, head_size, blocks_
 
 @pytest.mark.parametrize("head_size", ops.HEAD_SIZES)
 def test_varlen_plans_the_async_kernel_unless_told(monkeypatch, head_size) -> None:
-    """16-bit varlen plans the cp.async-ring kernel (stages 2) within sm_80's 163 KiB on every
-    head size; PAGED_KERNELS_CUDA_VARLEN_STAGES=1 plans the synchronous kernel; float32 is
-    unaffected (SIMT)."""
+    """16-bit varlen plans the cp.async-ring kernel (stages 2, 4 warps: 16 tokens x 4 heads per
+    block) within sm_80's 163 KiB on every head size; PAGED_KERNELS_CUDA_VARLEN_WARPS=8 doubles
+    its rows (32 tokens); PAGED_KERNELS_CUDA_VARLEN_STAGES=1 plans the synchronous kernel (4
+    warps whatever the warps setting); float32 is unaffected (SIMT)."""
     import torch
 
     problem = _problem(torch.float16, (8, 2), [5, 1, 9], head_size=head_size)
     plan = ops.plan_attention(problem, num_sms=132)
     bn, pitch = ops.varlen_async_bn(head_size), 2 * (head_size + 8)
-    assert (plan.kernel, plan.stages) == (ops.KERNEL_VARLEN_MMA, 2)
+    assert (plan.kernel, plan.stages, plan.threads) == (ops.KERNEL_VARLEN_MMA, 2, 128)
     assert plan.smem_bytes == (4 * bn + (64 if head_size > 128 else 0)) * pitch <= 163 * 1024
+    assert (plan.heads_per_cta, plan.q_tile_tokens) == (4, 16)
+    monkeypatch.setenv(ops.VARLEN_WARPS_ENV, "8")
+    wide = ops.plan_attention(problem, num_sms=132)
+    assert (wide.stages, wide.threads, wide.q_tile_tokens) == (2, 256, 32)
+    assert wide.smem_bytes == (4 * bn + (128 if head_size > 128 else 0)) * pitch <= 163 * 1024
     monkeypatch.setenv(ops.VARLEN_STAGES_ENV, "1")
-    assert ops.plan_attention(problem, num_sms=132).stages == 1
+    sync = ops.plan_attention(problem, num_sms=132)
+    assert (sync.stages, sync.threads, sync.q_tile_tokens) == (1, 128, 16)
     f32 = ops.plan_attention(_problem(torch.float32, (8, 2), [5, 1, 9], head_size=head_size), 132)
     assert (f32.kernel, f32.stages) == (ops.KERNEL_VARLEN_SIMT, 0)
     monkeypatch.setenv(ops.VARLEN_STAGES_ENV, "3")
     with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_VARLEN_STAGES: expected 1 or 2"):
         ops.varlen_stages()
+    monkeypatch.setenv(ops.VARLEN_WARPS_ENV, "16")
+    with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_VARLEN_WARPS: expected 4 or 8"):
+        ops.varlen_warps()
 
 
 def _decode_problem(batch: int, context: int, head_size: int = 128, block_size: int = 16):

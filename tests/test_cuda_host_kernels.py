@@ -182,16 +182,20 @@ def test_varlen_long_prefill_many_tiles(dtype):
     check(case, dtype)
 
 
-VARLEN_KERNELS = ["2", "1"]  # PAGED_KERNELS_CUDA_VARLEN_STAGES: the cp.async ring, synchronous
+#: The 16-bit varlen kernels: (PAGED_KERNELS_CUDA_VARLEN_STAGES, PAGED_KERNELS_CUDA_VARLEN_WARPS)
+VARLEN_KERNELS = {"async": ("2", "4"), "async-8-warps": ("2", "8"), "sync": ("1", "4")}
 
 
-@pytest.mark.parametrize("stages", VARLEN_KERNELS, ids=["async", "sync"])
-@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 24), (192, 8)])
-def test_varlen_mma_kernels_long_contexts(monkeypatch, stages, head_size, block_size):
-    """Both 16-bit varlen kernels over 3-6 K/V tiles per block (the ring wraps several times;
-    64-key tiles up to head size 128, 32-key ones above), a chunk on a cached prefix, a prefill
+@pytest.mark.parametrize("kernel", VARLEN_KERNELS)
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (112, 32), (128, 24), (192, 8)])
+def test_varlen_mma_kernels_long_contexts(monkeypatch, kernel, head_size, block_size):
+    """The 16-bit varlen kernels over 3-6 K/V tiles per block (the ring wraps several times;
+    64-key tiles up to head size 128, 32-key ones above; at 112 a tile is not a whole number of
+    passes of 8 warps' copies), a chunk on a cached prefix, a prefill
     longer than one block's rows, decodes, a GQA group of 3, the window and every feature."""
+    stages, warps = VARLEN_KERNELS[kernel]
     monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_STAGES", stages)
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_WARPS", warps)
     slopes = torch.tensor([2.0 ** (-(h + 1)) for h in range(6)], dtype=torch.float32)
     case = make_case([300, 150, 97, 1], [20, 150, 1, 1], heads=6, kv_heads=2,
                      head_size=head_size, block_size=block_size, dtype=torch.float16,
@@ -200,12 +204,14 @@ def test_varlen_mma_kernels_long_contexts(monkeypatch, stages, head_size, block_
     check(case, torch.float16, sliding_window=100, soft_cap=4.0, alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("warps", ["4", "8"])
 @pytest.mark.parametrize("window", [None, 31, 32, 33, 64])
 @pytest.mark.parametrize("head_size", [64, 192])  # 64- and 32-key tiles
-def test_varlen_async_masks_at_tile_edges(window, head_size):
+def test_varlen_async_masks_at_tile_edges(monkeypatch, warps, window, head_size):
     """Query rows whose positions fall one before, on and one after the last key of a K/V tile
     (both tile sizes), with windows whose start falls on a tile's first key: where every row of
     a block sees a whole tile the kernel skips the per-key masks, so an off-by-one there shows."""
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_WARPS", warps)
     seq_lens = [31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 128, 129, 160]
     q_lens = [1, 1, 2, 1, 2, 3, 1, 33, 2, 64, 1, 3, 97]
     case = make_case(seq_lens, q_lens, heads=2, kv_heads=1, head_size=head_size, block_size=16,
@@ -252,8 +258,8 @@ def test_out_strided_and_only_out_written():
 # ---- synchronisation: results independent of the thread schedule ----
 
 @pytest.mark.parametrize("kind", ["decode-mma-split", "decode-mma-tile32-split",
-                                  "decode-simt-split", "varlen-mma", "varlen-mma-sync",
-                                  "varlen-simt"])
+                                  "decode-simt-split", "varlen-mma", "varlen-mma-8-warps",
+                                  "varlen-mma-sync", "varlen-simt"])
 def test_results_bit_identical_under_every_schedule(monkeypatch, kind):
     monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "32" if kind == "decode-simt-split"
                        else "128")
@@ -261,6 +267,8 @@ def test_results_bit_identical_under_every_schedule(monkeypatch, kind):
         monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_TILE", "32")
     if kind == "varlen-mma-sync":
         monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_STAGES", "1")
+    if kind == "varlen-mma-8-warps":
+        monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_WARPS", "8")
     dtype = torch.float32 if "simt" in kind else torch.bfloat16
     decode = kind.startswith("decode")
     # varlen mma: up to 4 tiles of 64 keys per block, so the cp.async ring wraps under every

@@ -52,13 +52,15 @@ def test_default_variants_and_shapes_parse():
         tune_decode.parse_variant(text)
     assert {"cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32",
             "cuda"} <= set(tune_decode.VARIANTS)
-    assert "cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=1" in tune_decode.PREFILL_VARIANTS
+    assert {"cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=1",
+            "cuda:PAGED_KERNELS_CUDA_VARLEN_WARPS=8"} <= set(tune_decode.PREFILL_VARIANTS)
 
 
 @pytest.mark.parametrize("text,match", [
     ("cuda:PAGED_KERNELS_CUDA_DECODE=simt", "not a setting of the CUDA planner"),
     ("cuda:PAGED_KERNELS_CUDA_DECODE_TILE=48", "expected 64 or 32"),
     ("cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=3", "expected 1 or 2"),
+    ("cuda:PAGED_KERNELS_CUDA_VARLEN_WARPS=2", "expected 4 or 8"),
     ("cuda:PAGED_KERNELS_CUDA_PARTITION=100", "multiple of 16")])
 def test_cuda_settings_are_checked_before_timing(text, match):
     with pytest.raises(ValueError, match=match):
@@ -115,10 +117,12 @@ def test_run_sets_each_variants_settings_for_its_own_timing(monkeypatch):
     shapes = [kernels.Shape("decode", 2, 200, **small),
               kernels.Shape("prefill", 1, 96, 80, **small)]
     variants = ["cuda-host", "cuda-host:PAGED_KERNELS_CUDA_DECODE_TILE=32",
+                "cuda-host:PAGED_KERNELS_CUDA_VARLEN_WARPS=8",
                 "cuda-host:PAGED_KERNELS_CUDA_VARLEN_STAGES=1"]
     rows = tune_decode.run(variants, shapes, repeat=1)
     assert [r["variant"] for r in rows] == [kernels.SDPA, *variants] * 2
     assert seen == [{}, {}, {"PAGED_KERNELS_CUDA_DECODE_TILE": "32"},
+                    {"PAGED_KERNELS_CUDA_VARLEN_WARPS": "8"},
                     {"PAGED_KERNELS_CUDA_VARLEN_STAGES": "1"}] * 2
     for r in rows:
         assert "error" not in r, r

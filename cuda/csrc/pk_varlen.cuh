@@ -17,18 +17,20 @@
 //   softmax; keys at positions >= the tile's last query position + 1 are never loaded (zeros
 //   instead), so NaN in unused cache slots cannot reach the result; offsets are int64.
 //
-// pk_varlen_mma_async_kernel<T = __half | __nv_bfloat16, HEAD_SIZE> (the default for 16-bit
-//   types; plan stages = 2): 4 warps x 16 rows (64 rows). K/V tiles of BN = 64 keys (32 above
-//   head size 128) come through the block table with 16-byte cp.async copies into a ring of 2
-//   slots: the next tile is in flight while the current one is used. S = Q K^T and O += P V with
-//   mma.m16n8k16, operands through ldmatrix (V row-major with .trans, so no transposing store);
-//   online softmax in registers in base 2 (each lane holds rows g and g + 8 of its warp's 16);
-//   float32 accumulation. Tiles every row of the block sees whole skip the per-key masks. Tile
-//   x of the grid is tile gridDim.x - 1 - x of the list above (longest blocks first).
-//   Shared memory (ops.py `_varlen_async_smem`): K and V rings [2][BN][DP] (T, DP = HEAD_SIZE +
-//   8), and Q [64][DP]: up to head size 128 in the K ring's slot 1 (its fragments go to
-//   registers before that slot's first copy, which is issued after a barrier), else after the
-//   rings (reloaded per tile).
+// pk_varlen_mma_async_kernel<T = __half | __nv_bfloat16, HEAD_SIZE, WARPS = 4 | 8> (the default
+//   for 16-bit types; plan stages = 2, threads = 32 * WARPS): WARPS warps x 16 rows (64 or 128
+//   rows; 8 warps halve the K/V tile loads per query row, PAGED_KERNELS_CUDA_VARLEN_WARPS=8).
+//   K/V tiles of BN = 64 keys (32 above head size 128) come through the block table with
+//   16-byte cp.async copies into a ring of 2 slots: the next tile is in flight while the current
+//   one is used. S = Q K^T and O += P V with mma.m16n8k16, operands through ldmatrix (V
+//   row-major with .trans, so no transposing store); online softmax in registers in base 2 (each
+//   lane holds rows g and g + 8 of its warp's 16); float32 accumulation. Tiles every row of the
+//   block sees whole skip the per-key masks. Tile x of the grid is tile gridDim.x - 1 - x of the
+//   list above (longest blocks first).
+//   Shared memory (ops.py `_varlen_async_smem`): the ring [2][K, V][BN][DP] (T, DP = HEAD_SIZE +
+//   8; a slot's K and V are adjacent), and Q [16 * WARPS][DP]: up to head size 128 in slot 1
+//   (its fragments go to registers before that slot's first copy, which is issued after a
+//   barrier), else after the ring (reloaded per tile).
 // pk_varlen_mma_kernel<T = __half | __nv_bfloat16, HEAD_SIZE> (plan stages = 1,
 //   PAGED_KERNELS_CUDA_VARLEN_STAGES=1; the kernel before the ring, kept to compare): the same
 //   rows; K/V tiles of PK_VARLEN_BN keys loaded synchronously (V stored transposed), operands
@@ -116,23 +118,22 @@ __device__ __forceinline__ void pk_write_lse(const PkAttnParams& p, int64_t tok,
 }
 
 // ------------------------------------------------------------------------------------------
-template <typename T, int HEAD_SIZE>
-__global__ void __launch_bounds__(PK_VARLEN_THREADS, 2)
+template <typename T, int HEAD_SIZE, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, 8 / WARPS)
 pk_varlen_mma_async_kernel(const PkAttnParams p) {
-  constexpr int D = HEAD_SIZE, DP = D + 8, BN = pk_varlen_async_bn(D), ROWS = PK_VARLEN_MMA_ROWS;
-  constexpr int THREADS = PK_VARLEN_THREADS, VEC = PkVec<T>::N, NVEC = D / VEC;
+  constexpr int D = HEAD_SIZE, DP = D + 8, BN = pk_varlen_async_bn(D), ROWS = 16 * WARPS;
+  constexpr int THREADS = 32 * WARPS, VEC = PkVec<T>::N, NVEC = D / VEC;
   constexpr int KS = D / 16;   // k-slices of Q K^T
   constexpr int NT = BN / 8;   // n-tiles of S
   constexpr int DT = D / 8;    // n-tiles of O
   constexpr bool Q_IN_REGS = D <= 128;
   constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
   static_assert(D % 16 == 0, "mma path needs head_size % 16 == 0");
-  static_assert(!Q_IN_REGS || ROWS <= BN, "Q fits in one ring slot");
-  static_assert(BN * NVEC % THREADS == 0, "whole passes over a tile");
+  static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps (ops.py plans one of them)");
+  static_assert(!Q_IN_REGS || ROWS <= 2 * BN, "Q fits in one ring slot");
   extern __shared__ float4 pk_smem4[];
-  T* ks = reinterpret_cast<T*>(pk_smem4);                 // [2][BN][DP]
-  T* vs = ks + 2 * BN * DP;                               // [2][BN][DP]
-  T* qs = Q_IN_REGS ? ks + BN * DP : vs + 2 * BN * DP;    // [ROWS][DP]
+  T* ring = reinterpret_cast<T*>(pk_smem4);                   // [2][K, V][BN][DP]
+  T* qs = ring + (Q_IN_REGS ? 2 : 4) * BN * DP;               // [ROWS][DP]: slot 1, or after
 
   // Tiles in reverse order: a sequence's last query tiles see the most keys (causal), so the
   // longest blocks start first and the short ones fill the last wave.
@@ -152,9 +153,11 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
   const T* vbase = static_cast<const T*>(p.v_cache) + t.kvh * p.v_stride_head;
   auto issue_tile = [&](int tile, int slot) {
     if (tile < num_tiles) {
+      constexpr int PASSES = (BN * NVEC + THREADS - 1) / THREADS;
 #pragma unroll 2
-      for (int it = 0; it < BN * NVEC / THREADS; ++it) {
+      for (int it = 0; it < PASSES; ++it) {
         const int idx = it * THREADS + threadIdx.x;
+        if (BN * NVEC % THREADS != 0 && idx >= BN * NVEC) break;
         const int row = idx / NVEC, v = idx % NVEC;
         const int i = tile * BN + row;
         const bool valid = i < n;
@@ -166,9 +169,9 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
           koff = block * p.k_stride_block + static_cast<int64_t>(bslot) * p.k_stride_slot;
           voff = block * p.v_stride_block + static_cast<int64_t>(bslot) * p.v_stride_slot;
         }
-        const int at = (slot * BN + row) * DP + v * VEC;
-        pk_cp_async16(ks + at, kbase + koff + v * VEC, valid);
-        pk_cp_async16(vs + at, vbase + voff + v * VEC, valid);
+        T* dst = ring + (2 * slot * BN + row) * DP + v * VEC;  // K; V is BN rows further
+        pk_cp_async16(dst, kbase + koff + v * VEC, valid);
+        pk_cp_async16(dst + BN * DP, vbase + voff + v * VEC, valid);
       }
     }
     pk_cp_async_commit();
@@ -228,8 +231,8 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
     // Everyone's have; slot ^ 1 (tile - 1, or Q in the first iteration) is no longer read.
     __syncthreads();
     issue_tile(tile + 1, slot ^ 1);
-    const T* kt = ks + slot * BN * DP;
-    const T* vt = vs + slot * BN * DP;
+    const T* kt = ring + 2 * slot * BN * DP;
+    const T* vt = kt + BN * DP;
     const int64_t kv0 = t.kv_lo + static_cast<int64_t>(tile) * BN;
 
     // S = Q K^T for this warp's 16 rows: NT n-tiles of 8 keys, two per ldmatrix.

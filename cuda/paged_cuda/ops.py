@@ -76,8 +76,11 @@ MMA_DECODE_TILES = (64, 32)
 #: Chooses the 16-bit varlen kernel: 2 = K/V through a cp.async ring of 2 tiles (the default),
 #: 1 = the synchronous kernel it replaced (kept to compare on a GPU).
 VARLEN_STAGES_ENV = "PAGED_KERNELS_CUDA_VARLEN_STAGES"
+#: Warps of the cp.async varlen kernel: 4 (64 query rows per block, the default) or 8 (128 rows:
+#: each K/V tile serves twice the rows), for timing runs.
+VARLEN_WARPS_ENV = "PAGED_KERNELS_CUDA_VARLEN_WARPS"
 #: Every environment variable the planner reads (timing runs set them per variant).
-PLAN_ENVS = (PARTITION_ENV, STAGES_ENV, DECODE_TILE_ENV, VARLEN_STAGES_ENV)
+PLAN_ENVS = (PARTITION_ENV, STAGES_ENV, DECODE_TILE_ENV, VARLEN_STAGES_ENV, VARLEN_WARPS_ENV)
 
 
 def mma_decode_stages(head_size: int, env: Mapping[str, str] = os.environ) -> int:
@@ -119,6 +122,17 @@ def varlen_stages(env: Mapping[str, str] = os.environ) -> int:
     return 2
 
 
+def varlen_warps(env: Mapping[str, str] = os.environ) -> int:
+    """Warps of the cp.async varlen kernel: 4 unless `$PAGED_KERNELS_CUDA_VARLEN_WARPS` says 8
+    (not yet timed on a GPU, so not the default; the synchronous kernel always runs 4)."""
+    forced = env.get(VARLEN_WARPS_ENV)
+    if forced:
+        if forced not in ("4", "8"):
+            raise ValueError(f"{VARLEN_WARPS_ENV}: expected 4 or 8, got {forced!r}")
+        return int(forced)
+    return 4
+
+
 def varlen_async_bn(head_size: int) -> int:
     """Keys per K/V tile of the cp.async varlen kernel (pk_varlen_async_bn)."""
     return 64 if head_size <= 128 else 32
@@ -134,6 +148,7 @@ def check_plan_env(settings: Mapping[str, str]) -> None:
     mma_decode_stages(128, settings)
     mma_decode_tile(settings)
     varlen_stages(settings)
+    varlen_warps(settings)
     _forced_partition(settings)
 
 
@@ -289,9 +304,8 @@ def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     shapes it depends on: planning runs once per step shape, not once per layer)."""
     key = (p.is_decode, p.num_queries_per_kv, p.query.dtype, p.head_size, p.num_seqs,
            p.num_kv_heads, p.num_heads, p.num_tokens, p.block_tables.shape[1], p.block_size,
-           p.sliding_window, num_sms, os.environ.get(PARTITION_ENV),
-           os.environ.get(STAGES_ENV), os.environ.get(DECODE_TILE_ENV),
-           os.environ.get(VARLEN_STAGES_ENV))
+           p.sliding_window, num_sms,
+           *(os.environ.get(name) for name in PLAN_ENVS))
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) > 4096:
@@ -328,11 +342,11 @@ def _plan_decode_mma(p: AttentionProblem, num_sms: int) -> AttentionPlan:
                          (p.num_heads, p.num_seqs), stages, threads=2 * tile)
 
 
-def _varlen_async_smem(p: AttentionProblem) -> int:
-    """The K and V rings of the cp.async varlen kernel and, above head size 128, its Q tile (up
-    to 128 Q lives in the K ring's slot 1)."""
+def _varlen_async_smem(p: AttentionProblem, warps: int) -> int:
+    """The K/V ring of the cp.async varlen kernel and, above head size 128, its Q tile (16 rows
+    per warp; up to 128 Q lives in the ring's slot 1)."""
     d, bn = p.head_size, varlen_async_bn(p.head_size)
-    q_rows = MMA_ROWS if d > 128 else 0
+    q_rows = 16 * warps if d > 128 else 0
     return p.query.element_size() * (4 * bn + q_rows) * (d + 8)
 
 
@@ -350,21 +364,22 @@ def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
                              (p.num_kv_heads * chunks, p.num_seqs, splits), smem,
                              (p.num_heads, p.num_seqs))
     mma = p.query.dtype != torch.float32
-    rows = MMA_ROWS if mma else SIMT_ROWS
+    stages = varlen_stages() if mma else 0
+    warps = varlen_warps() if stages == 2 else THREADS // 32
+    rows = 16 * warps if mma else SIMT_ROWS
     hc = min(group, rows)
     chunks = math.ceil(group / hc)
     bq = rows // hc
     d = p.head_size
-    stages = varlen_stages() if mma else 0
     if stages == 2:
-        smem = _varlen_async_smem(p)
+        smem = _varlen_async_smem(p, warps)
     elif mma:
         smem = p.query.element_size() * ((MMA_ROWS + VARLEN_BN) * (d + 8) + d * (VARLEN_BN + 8))
     else:
         smem = 4 * (SIMT_ROWS * d + VARLEN_BN * (d + 1) + VARLEN_BN * d)
     return AttentionPlan(KERNEL_VARLEN_MMA if mma else KERNEL_VARLEN_SIMT, 1, hc, chunks, bq, 1,
                          0, (p.num_tokens // bq + p.num_seqs, p.num_kv_heads * chunks, 1), smem,
-                         (0, 0), stages)
+                         (0, 0), stages, threads=32 * warps)
 
 
 _CTYPE_OF_CODE = {code: CTYPES[dtype] for dtype, code in DTYPE_CODES.items()}
@@ -384,9 +399,11 @@ def attention_launches(v: dict[str, Any]) -> list[tuple[str, tuple[int, int, int
             launches.append((f"pk_decode_reduce_kernel<{t}>",
                              (v["reduce_grid_x"], v["reduce_grid_y"], 1), v["reduce_threads"], 0))
         return launches
-    kind = ("simt" if v["kernel"] == KERNEL_VARLEN_SIMT
-            else "mma_async" if v["stages"] == 2 else "mma")
-    return [(f"pk_varlen_{kind}_kernel<{t}, {d}>", grid, v["threads"], v["smem_bytes"])]
+    if v["kernel"] == KERNEL_VARLEN_MMA and v["stages"] == 2:
+        name = f"pk_varlen_mma_async_kernel<{t}, {d}, {v['threads'] // 32}>"
+    else:
+        name = f"pk_varlen_{'mma' if v['kernel'] == KERNEL_VARLEN_MMA else 'simt'}_kernel<{t}, {d}>"
+    return [(name, grid, v["threads"], v["smem_bytes"])]
 
 
 # ---------------------------------------------------------------------------------------------
