@@ -104,9 +104,9 @@ class Int8Kernel:
         self._quantize = library.int8_quantize
         self._quantize.restype = c_int
         self._quantize.argtypes = [ptr, c_int, i64, i64, ptr, ptr, ptr, c_int]
-        self._matmul = library.int8_matmul
-        self._matmul.restype = c_int
-        self._matmul.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, c_int, i64, i64, i64, c_int]
+        self._linear = library.int8_linear
+        self._linear.restype = c_int
+        self._linear.argtypes = [ptr, c_int, ptr, c_int, ptr, i64, i64, i64, c_int]
         library.int8_simd_paths.restype = ctypes.c_char_p
         self.simd_paths: str = library.int8_simd_paths().decode()
         """The code path compiled in: "avx512-vnni" or "portable"."""
@@ -133,16 +133,14 @@ class Int8Kernel:
         assert not failed, "int8_quantize refused a K that is a multiple of 32"
         return xq, xd, xs
 
-    def matmul(self, packed: torch.Tensor, qtype: str, rows: int, xq: torch.Tensor,
-               xd: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype, threads: int
-               ) -> torch.Tensor:
-        """`[M, rows]` in `out_dtype` (float32 or bfloat16) from quantized activations and the
-        packed weight of `rows` features."""
-        y = torch.empty(xq.shape[1], rows, dtype=out_dtype)
-        failed = self._matmul(packed.data_ptr(), _QTYPES[qtype], xq.data_ptr(), xd.data_ptr(),
-                              xs.data_ptr(), y.data_ptr(), out_dtype == torch.bfloat16,
-                              xq.shape[1], rows, xq.shape[0] * 32, threads)
-        assert not failed, "int8_matmul refused checked inputs"
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, qtype: str, rows: int,
+               threads: int) -> torch.Tensor:
+        """`quantize` then `matmul` in one call: `[M, rows]` in x's dtype for contiguous `x`."""
+        y = torch.empty(x.shape[0], rows, dtype=x.dtype)
+        failed = self._linear(x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(),
+                              _QTYPES[qtype], y.data_ptr(), x.shape[0], rows, x.shape[1],
+                              threads)
+        assert not failed, "int8_linear refused checked inputs"
         return y
 
 

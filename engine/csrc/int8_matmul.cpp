@@ -44,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512BF16__) && defined(__F16C__)
@@ -346,6 +347,36 @@ void tile_group(const Problem& p, int64_t t, int64_t m0, int64_t mt) {
 
 int64_t num_tiles(int64_t N) { return (N + TILE - 1) / TILE; }
 
+void quantize_one(const void* x, bool bf16, int64_t M, int64_t nb, int64_t i, int8_t* xq,
+                  float* xd, float* xs) {
+  const int64_t r = i / nb, b = i % nb, o = b * M + r;  // read row-major, write block-major
+#if defined(I8_SIMD)
+  quantize_block_simd(x, bf16, i * QK, xq + o * QK, xd + o, xs + o);
+#else
+  quantize_block_scalar(x, bf16, i * QK, xq + o * QK, xd + o, xs + o);
+#endif
+}
+
+// One thread's share of the product: its contiguous range of tiles, M_CHUNK rows at a time.
+void matmul_share(const Problem& p, int64_t id, int64_t n) {
+  const int64_t tiles = num_tiles(p.N);
+  const int64_t t0 = tiles * id / n, t1 = tiles * (id + 1) / n;
+  for (int64_t c0 = 0; c0 < p.M; c0 += M_CHUNK) {
+    const int64_t c1 = std::min<int64_t>(p.M, c0 + M_CHUNK);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m0 = c0; m0 < c1; m0 += M_TILE)
+        tile_group(p, t, m0, std::min<int64_t>(M_TILE, c1 - m0));
+  }
+}
+
+int clamp_threads(int threads, int64_t tiles) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
+}
+
+bool bad_sizes(int qtype, int64_t M, int64_t N, int64_t K) {
+  return (qtype != 0 && qtype != 1) || K <= 0 || K % QK != 0 || M < 0 || N < 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -374,38 +405,32 @@ int int8_quantize(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* xq, f
   if (K <= 0 || K % QK != 0) return -1;
   const int64_t nb = K / QK, total = M * nb;
 #pragma omp parallel for schedule(static) num_threads(std::max(1, threads)) if (total >= 4096)
-  for (int64_t i = 0; i < total; ++i) {
-    const int64_t r = i / nb, b = i % nb, o = b * M + r;  // read row-major, write block-major
-#if defined(I8_SIMD)
-    quantize_block_simd(x, x_bf16 != 0, i * QK, xq + o * QK, xd + o, xs + o);
-#else
-    quantize_block_scalar(x, x_bf16 != 0, i * QK, xq + o * QK, xd + o, xs + o);
-#endif
-  }
+  for (int64_t i = 0; i < total; ++i) quantize_one(x, x_bf16 != 0, M, nb, i, xq, xd, xs);
   return 0;
 }
 
-// y [M, N] (float32, or bfloat16 when y_bf16) = the quantized x (int8_quantize's xq, xd, xs)
-// times the packed W. Returns 0, or -1 for bad sizes.
-int int8_matmul(const uint8_t* packed, int qtype, const int8_t* xq, const float* xd,
-                const float* xs, void* y, int y_bf16, int64_t M, int64_t N, int64_t K,
-                int threads) {
-  if ((qtype != 0 && qtype != 1) || K <= 0 || K % QK != 0 || M < 0 || N < 0) return -1;
-  Problem p{packed, xq, xd, xs, y_bf16 ? nullptr : static_cast<float*>(y),
-            y_bf16 ? static_cast<uint16_t*>(y) : nullptr, M, N, K, K / QK, qtype};
-  const int64_t tiles = num_tiles(N);
-  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
-  if (M == 0 || tiles == 0) return 0;
-#pragma omp parallel num_threads(nthreads)
+// y [M, N] (x's dtype) = x quantized as int8_quantize does, times the packed W, in one call and
+// one parallel region (the quantized x lives in a buffer of the calling thread, reused across
+// calls): the model calls this ~120 times a decode step, so the fixed cost of a call matters.
+// Returns 0, or -1 for bad sizes.
+int int8_linear(const void* x, int x_bf16, const uint8_t* packed, int qtype, void* y, int64_t M,
+                int64_t N, int64_t K, int threads) {
+  if (bad_sizes(qtype, M, N, K)) return -1;
+  if (M == 0 || N == 0) return 0;
+  const int64_t nb = K / QK;
+  thread_local std::vector<float> scratch;  // [xd | xs | xq] of this call
+  const int64_t floats = 2 * M * nb + (M * K + 3) / 4;
+  if (static_cast<int64_t>(scratch.size()) < floats) scratch.resize(floats);
+  float* xd = scratch.data();
+  float* xs = xd + M * nb;
+  int8_t* xq = reinterpret_cast<int8_t*>(xs + M * nb);
+  Problem p{packed, xq, xd, xs, x_bf16 ? nullptr : static_cast<float*>(y),
+            x_bf16 ? static_cast<uint16_t*>(y) : nullptr, M, N, K, nb, qtype};
+#pragma omp parallel num_threads(clamp_threads(threads, num_tiles(N)))
   {
-    const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t t0 = tiles * id / n, t1 = tiles * (id + 1) / n;
-    for (int64_t c0 = 0; c0 < M; c0 += M_CHUNK) {
-      const int64_t c1 = std::min<int64_t>(M, c0 + M_CHUNK);
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t m0 = c0; m0 < c1; m0 += M_TILE)
-          tile_group(p, t, m0, std::min<int64_t>(M_TILE, c1 - m0));
-    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * nb; ++i) quantize_one(x, x_bf16 != 0, M, nb, i, xq, xd, xs);
+    matmul_share(p, omp_get_thread_num(), omp_get_num_threads());  // after the for's barrier
   }
   return 0;
 }

@@ -55,10 +55,8 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight,
     on it."""
     if x.dim() != 2 or x.shape[1] != weight.cols or x.dtype not in _X_DTYPES or not x.is_cpu:
         raise _bad_x(x, weight)  # one combined test: this runs ~120 times per decode step
-    kernel = _resolve(kernel)
-    threads = torch.get_num_threads()
-    xq, xd, xs = kernel.quantize(x.contiguous(), threads)
-    return kernel.matmul(weight.packed, weight.qtype, weight.rows, xq, xd, xs, x.dtype, threads)
+    return _resolve(kernel).linear(x.contiguous(), weight.packed, weight.qtype, weight.rows,
+                                   torch.get_num_threads())
 
 
 _X_DTYPES = (torch.float32, torch.bfloat16)
