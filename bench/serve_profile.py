@@ -1,16 +1,19 @@
-"""Where a decode step of the engine goes: matmuls, attention, KV writes, other model ops,
-sampling and Python overhead (everything else in `LLMEngine.step`). The columns add up to the
+"""Where a step of the engine goes, prefill and decode: matmuls, attention, KV writes, other
+model ops, sampling and Python overhead (everything else in `LLMEngine.step`). The columns add up to the
 step: matmuls include the LM head (`compute_logits`), "other model ops" are the rest of the
 forward and of `compute_logits` (norms, rotary, activations, residual adds, the float cast).
 
     python -m bench.serve_profile --batch 1 16 --threads 1 2 --dtype bfloat16
 
-Loads the model once, fills `batch` sequences with `--prompt-len` random prompt tokens (prefill
-not timed), then times `--steps` decode steps with wall-clock wrappers around the model's matmuls
+Loads the model once, fills `batch` sequences with `--prompt-len` random prompt tokens (the
+"prefill" row: those steps, per step, and prompt tokens/s), then times `--steps` decode steps
+(the "decode" row) with wall-clock wrappers around the model's matmuls
 (its `_linear` helper if it has one, else `F.linear`; the LM head included), the attention
 plan's `run` and `write_kv` (as every layer calls them) and the sampler. Prints one markdown row per
-(threads, batch, quantization). `--quantization none gguf` loads the model once per setting and
-alternates them row by row (same machine load; docs/quant.md).
+(threads, batch, quantization, phase). `--quantization none gguf` loads the model once per
+setting and alternates them row by row (same machine load; docs/quant.md). `--clock cpu` times
+with the CPU time of the calling thread instead of the wall clock, for one thread only: on a
+machine shared with other busy processes it leaves out the time the thread waited for a core.
 """
 
 from __future__ import annotations
@@ -34,15 +37,17 @@ from engine.model.loader import load_model
 from engine.sampling_params import SamplingParams
 
 TIMES: dict[str, float] = defaultdict(float)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = time.perf_counter
 
 
 def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
+        t = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            TIMES[name] += time.perf_counter() - t
+            TIMES[name] += clock() - t
     return wrapper
 
 
@@ -72,33 +77,43 @@ class _FProxy:
         return getattr(F, name)
 
 
-def profile(loaded: Any, batch: int, args: argparse.Namespace) -> dict[str, float]:
+def profile(loaded: Any, batch: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """{"prefill": ..., "decode": ...}: each phase's breakdown per step and its tokens/s."""
     engine = LLMEngine(loaded, config=EngineConfig(max_model_len=args.prompt_len + 64 +
                                                    args.steps + 8, backend=args.backend))
+    engine.sampler.sample = timed("sampling", engine.sampler.sample)
     rng = random.Random(0)
     for i in range(batch):
         engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(args.prompt_len)],
                            SamplingParams(max_tokens=args.steps + 16, ignore_eos=True,
                                           temperature=0.0))
+    TIMES.clear()
+    t, steps = clock(), 0
     while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
                                           for g in engine.scheduler.running for s in g.seqs):
         engine.step()
+        steps += 1
+    prefill = _breakdown(clock() - t, steps, batch * args.prompt_len)
     for _ in range(3):
         engine.step()  # warm up the decode path
-    engine.sampler.sample = timed("sampling", engine.sampler.sample)
     TIMES.clear()
-    t = time.perf_counter()
+    t = clock()
     for _ in range(args.steps):
         engine.step()
-    total = (time.perf_counter() - t) / args.steps * 1000
-    ms = defaultdict(float, {k: v / args.steps * 1000 for k, v in TIMES.items()})
+    return {"prefill": prefill, "decode": _breakdown(clock() - t, args.steps, batch * args.steps)}
+
+
+def _breakdown(seconds: float, steps: int, tokens: int) -> dict[str, float]:
+    """Per-step milliseconds of each part from TIMES, and tokens/s over `seconds`."""
+    total = seconds / steps * 1000
+    ms = defaultdict(float, {k: v / steps * 1000 for k, v in TIMES.items()})
     model_ms = ms["forward"] + ms["logits"]  # the LM head's matmul is in "matmul" too
     other_model = model_ms - ms["matmul"] - ms["attention"] - ms["write_kv"]
-    return {"step_ms": total, "matmul_ms": ms["matmul"], "attention_ms": ms["attention"],
-            "write_kv_ms": ms["write_kv"], "other_model_ops_ms": other_model,
-            "sampling_ms": ms["sampling"],
+    return {"steps": steps, "step_ms": total, "matmul_ms": ms["matmul"],
+            "attention_ms": ms["attention"], "write_kv_ms": ms["write_kv"],
+            "other_model_ops_ms": other_model, "sampling_ms": ms["sampling"],
             "python_overhead_ms": total - model_ms - ms["sampling"],
-            "tok_s": batch / total * 1000}
+            "tok_s": tokens / seconds}
 
 
 def main() -> None:
@@ -110,30 +125,39 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--backend", default="auto")
     p.add_argument("--quantization", nargs="+", default=["auto"], choices=QUANTIZATION_MODES)
+    p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                   help="cpu: the calling thread's CPU time (one thread only)")
     p.add_argument("--out", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args()
+    if args.clock == "cpu" and args.threads != [1]:
+        p.error(f"--clock cpu: expected --threads 1 (other threads' time is not counted), "
+                f"got --threads {' '.join(map(str, args.threads))}")
+    global clock
+    clock = CLOCKS[args.clock]
     models = {}
     for q in args.quantization:
         models[q] = load_model(None, dtype=getattr(torch, args.dtype), quantization=q)
         install_model_timers(models[q].model)
     cols = ["step_ms", "matmul_ms", "attention_ms", "write_kv_ms", "other_model_ops_ms",
             "sampling_ms", "python_overhead_ms", "tok_s"]
-    print("| threads | batch | quantization | " + " | ".join(cols) + " |")
-    print("|" + "---|" * (len(cols) + 3))
+    print("| threads | batch | quantization | phase | steps | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (len(cols) + 5))
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         for batch in args.batch:
             for q, loaded in models.items():
-                row = profile(loaded, batch, args)
-                rows.append({"threads": threads, "batch": batch,
-                             "quantization": loaded.quantization, **row})
-                print(f"| {threads} | {batch} | {loaded.quantization} | "
-                      + " | ".join(f"{row[c]:.1f}" for c in cols) + " |", flush=True)
+                for phase, row in profile(loaded, batch, args).items():
+                    rows.append({"threads": threads, "batch": batch,
+                                 "quantization": loaded.quantization, "phase": phase, **row})
+                    print(f"| {threads} | {batch} | {loaded.quantization} | {phase} | "
+                          f"{row['steps']} | " + " | ".join(f"{row[c]:.1f}" for c in cols)
+                          + " |", flush=True)
     if args.out:
         report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                   "load_average": os.getloadavg(), "dtype": args.dtype,
                   "prompt_len": args.prompt_len, "steps": args.steps, "backend": args.backend,
+                  "clock": args.clock,
                   "rows": rows}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
