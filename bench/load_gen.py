@@ -173,7 +173,7 @@ async def _lines_httpx(client: httpx.AsyncClient, path: str,
             yield line
 
 
-async def one_request(client: "httpx.AsyncClient | RawClient", args: argparse.Namespace,
+async def one_request(client: httpx.AsyncClient | RawClient, args: argparse.Namespace,
                       model: str, prompt: list[int], output_len: int) -> RequestResult:
     result = RequestResult(len(prompt), output_len)
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
