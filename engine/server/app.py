@@ -260,11 +260,12 @@ class _CompletionJob:
     async def stream(self, deltas: AsyncIterator[tuple[int, RequestDelta]]
                      ) -> AsyncIterator[bytes]:
         name = self.server.model_name
+        encoder = R.ChunkEncoder(R.completion_body(self.request_id, self.created, name, [],
+                                                   None, chunk=True))
         async for prompt_idx, delta in deltas:
             choices = self._choices(prompt_idx, delta)
             if choices:
-                yield R.sse(R.completion_body(self.request_id, self.created, name, choices,
-                                              None, chunk=True))
+                yield encoder.event(choices)
         if self.req.include_usage:
             yield R.sse(R.completion_body(self.request_id, self.created, name, [],
                                           self._usage(), chunk=True))
@@ -309,12 +310,10 @@ class _ChatJob:
     async def stream(self, deltas: AsyncIterator[tuple[int, RequestDelta]]
                      ) -> AsyncIterator[bytes]:
         name = self.server.model_name
-        usage_field = {"usage": None} if self.req.include_usage else {}
-
-        def chunk(choices: list[dict[str, Any]]) -> bytes:
-            body = R.chat_body(self.request_id, self.created, name, choices, None, chunk=True)
-            return R.sse({**body, **usage_field})
-
+        encoder = R.ChunkEncoder(R.chat_body(self.request_id, self.created, name, [], None,
+                                             chunk=True),
+                                 {"usage": None} if self.req.include_usage else None)
+        chunk = encoder.event
         yield chunk([R.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)
                      for i in range(self.req.n)])
         async for _, delta in deltas:

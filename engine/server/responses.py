@@ -19,8 +19,26 @@ TokenText = Callable[[int], str]
 
 def sse(payload: dict[str, Any]) -> bytes:
     """One server-sent event carrying `payload` as compact JSON."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() \
-        + b"\n\n"
+    return b"data: " + _dumps(payload).encode() + b"\n\n"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class ChunkEncoder:
+    """The server-sent events of one stream's chunks. Every chunk of a stream repeats the same
+    leading fields (id, object, created, model); they are encoded once, so a chunk costs one
+    `json.dumps` of its `choices`. The bytes equal `sse({**fixed, "choices": choices,
+    **extra})` for the `fixed` and `extra` (trailing fields, such as `"usage": None`) given."""
+
+    def __init__(self, fixed: dict[str, Any], extra: Optional[dict[str, Any]] = None) -> None:
+        self._head = b"data: " + _dumps({**fixed, "choices": None})[:-len("null}")].encode()
+        self._tail = (b"," + _dumps(extra)[1:].encode() if extra else b"}") + b"\n\n"
+
+    def event(self, choices: list[dict[str, Any]]) -> bytes:
+        """One chunk carrying `choices`."""
+        return self._head + _dumps(choices).encode() + self._tail
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
