@@ -10,8 +10,10 @@ about a minute on 2 cores; `PAGED_KERNELS_FULL_CUDA_CHECK=1` compiles every inst
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+from pathlib import Path
 
 import pytest
 
@@ -159,6 +161,78 @@ def test_jit_launches_the_forced_kernel_choices(monkeypatch, env, kernel, thread
     module.paged_attention(ops.pack("attn", values), 0)
     header = "pk_decode.cuh" if decode else "pk_varlen.cuh"
     assert calls[0] == (header, kernel, threads)
+
+
+NVRTC_ENV = "PK_NVRTC_LIB"
+
+
+def _nvrtc() -> tuple[ctypes.CDLL, str] | None:
+    """libnvrtc (from `$PK_NVRTC_LIB`, e.g. from `pip install --target DIR nvidia-cuda-nvrtc`:
+    DIR/nvidia/cu13/lib/libnvrtc.so.13) and the CUDA include directory, or None."""
+    lib_path = os.environ.get(NVRTC_ENV)
+    includes = [Path(os.environ[e]) / "include" for e in ("CUDA_HOME", "CUDA_PATH")
+                if os.environ.get(e)] + sorted(Path("/usr/local").glob("cuda*/include"))
+    include = next((str(d) for d in includes if (d / "cuda_fp16.h").exists()), None)
+    if not lib_path or include is None:
+        return None
+    for builtins in sorted(Path(lib_path).parent.glob("libnvrtc-builtins.so.*")):
+        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)  # found by soname, no LD path
+    return ctypes.CDLL(lib_path), include
+
+
+def _nvrtc_compile(lib: ctypes.CDLL, include: str, header: str, names: list[str],
+                   arch: str) -> None:
+    """Compiles `#include "header"` with `names` instantiated, as jit.JitModule's source."""
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), f'#include "{header}"\n'.encode(),
+                                  b"jit.cu", 0, None, None) == 0
+    try:
+        for name in names:
+            assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
+        opts = [b"-std=c++17", f"-I{ops.CSRC_DIR}".encode(), f"-I{include}".encode(),
+                f"--gpu-architecture=sm_{arch}".encode()]
+        status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        if status != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            pytest.fail(f"NVRTC sm_{arch} {header}: {log.value.decode()[-4000:]}")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.mark.skipif(_nvrtc() is None, reason=f"set {NVRTC_ENV} to a libnvrtc.so to check the "
+                    "run-time (NVRTC) path's sources")
+def test_jit_sources_compile_with_nvrtc(monkeypatch) -> None:
+    """Every instantiation the planner can launch (defaults and every forced kernel choice, every
+    dtype and head size, decode and varlen) compiles with NVRTC for sm_80 and sm_90 from the
+    header jit.JitModule includes. Compile only: CuPy and a GPU are not needed."""
+    import torch
+
+    lib, include = _nvrtc()
+    names: dict[str, set[str]] = {}
+    for env in FORCED:
+        for name in ops.PLAN_ENVS:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for d in ops.HEAD_SIZES:
+                for q_lens in (None, [5, 1, 9]):
+                    problem = _problem(dtype, (8, 2), q_lens, head_size=d)
+                    plan = ops.plan_attention(problem, num_sms=132)
+                    values = ops.unpack("attn", ops.pack("attn", ops._attn_values(
+                        problem, plan, problem.query, problem.key_cache, problem.value_cache,
+                        problem.out, None)))
+                    for name, *_ in ops.attention_launches(values):
+                        header = "pk_decode.cuh" if name.startswith("pk_decode") else \
+                            "pk_varlen.cuh"
+                        names.setdefault(header, set()).add(name)
+    assert sum(len(n) for n in names.values()) > 80
+    for arch in ("80", "90"):
+        for header, wanted in names.items():
+            _nvrtc_compile(lib, include, header, sorted(wanted), arch)
 
 
 def test_ptxas_report_parser_reads_spills_and_registers() -> None:
