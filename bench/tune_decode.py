@@ -142,12 +142,32 @@ def run(variants: Sequence[str], shapes: Sequence[kernels.Shape], repeat: int) -
 
 
 def format_row(r: dict) -> str:
-    where = f"{r['variant']:<44} {r['batch']:>5} {r['context']:>6} {r['q_len']:>5}"
+    name = r["variant"].replace("PAGED_KERNELS_CUDA_", "")  # the JSON keeps the full name
+    where = f"{name:<44} {r['batch']:>5} {r['context']:>6} {r['q_len']:>5}"
     if "error" in r:
         return f"{where}  error: {r['error'][:80]}"
     err = r.get("rel_err_vs_sdpa")
     return (f"{where} {r['us']:>9.1f} {r['frac_copy']:>6.1%} {r['TFLOP/s']:>7.1f} "
             f"{r.get('x_sdpa', 1.0):>6.2f} {'-' if err is None else format(err, '.1e'):>8}")
+
+
+def cuda_summary(rows: Sequence[dict]) -> list[str]:
+    """One line per shape: the fastest `cuda` variant and its time over the default's (`cuda`),
+    so a run answers "which default?" at a glance."""
+    lines = []
+    shapes = dict.fromkeys((r["kind"], r["batch"], r["context"], r["q_len"]) for r in rows)
+    for kind, batch, context, q_len in shapes:
+        here = [r for r in rows if (r["kind"], r["batch"], r["context"], r["q_len"]) ==
+                (kind, batch, context, q_len) and "us" in r]
+        default = next((r for r in here if r["variant"] == "cuda"), None)
+        timed = [r for r in here if r["variant"].startswith("cuda")]
+        if default is None or not timed:
+            continue
+        best = min(timed, key=lambda r: r["us"])
+        where = f"{kind} {batch}x{context}" + (f"x{q_len}" if kind != "decode" else "")
+        lines.append(f"{where}: fastest {best['variant']} {best['us']:.1f} us = "
+                     f"{best['us'] / default['us']:.3f} x cuda's {default['us']:.1f} us")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{'TFLOP/s':>7} {'xSDPA':>6} {'err':>8}", flush=True)
     rows = run(args.variants, decode, args.repeat) + run(args.prefill_variants, prefill,
                                                          args.repeat)
+    print("\n".join(["", "fastest cuda variant per shape:", *cuda_summary(rows)]), flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=1))
     return 0

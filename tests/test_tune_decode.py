@@ -130,3 +130,21 @@ def test_run_sets_each_variants_settings_for_its_own_timing(monkeypatch):
         if r["variant"] != kernels.SDPA:
             assert r["rel_err_vs_sdpa"] < 1e-2, r
     assert not any(k.startswith("PAGED_KERNELS_CUDA") for k in os.environ)
+
+
+def test_cuda_summary_names_the_fastest_cuda_variant_per_shape():
+    def row(variant, us, batch=32, kind="decode", q_len=1):
+        return {"variant": variant, "kind": kind, "batch": batch, "context": 4096,
+                "q_len": q_len, "us": us}
+
+    failed = row("cuda:PAGED_KERNELS_CUDA_DECODE_STAGES=3", 0.0)
+    del failed["us"]  # a variant that failed has no time
+    rows = [row("torch-sdpa", 100.0), row("triton", 90.0), row("cuda", 160.0),
+            row("cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32", 120.0), failed,
+            row("cuda", 50.0, batch=1), row("cuda:X=1", 55.0, batch=1),
+            row("cuda", 900.0, kind="prefill", q_len=512)]
+    assert tune_decode.cuda_summary(rows) == [
+        "decode 32x4096: fastest cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32 120.0 us = 0.750 x "
+        "cuda's 160.0 us",
+        "decode 1x4096: fastest cuda 50.0 us = 1.000 x cuda's 50.0 us",
+        "prefill 32x4096x512: fastest cuda 900.0 us = 1.000 x cuda's 900.0 us"]
