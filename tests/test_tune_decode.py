@@ -144,7 +144,7 @@ def test_cuda_summary_names_the_fastest_cuda_variant_per_shape():
             row("cuda", 50.0, batch=1), row("cuda:X=1", 55.0, batch=1),
             row("cuda", 900.0, kind="prefill", q_len=512)]
     assert tune_decode.cuda_summary(rows) == [
-        "decode 32x4096: fastest cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32 120.0 us = 0.750 x "
-        "cuda's 160.0 us",
+        ("decode 32x4096: fastest cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32 120.0 us = 0.750 x "
+         "cuda's 160.0 us"),
         "decode 1x4096: fastest cuda 50.0 us = 1.000 x cuda's 50.0 us",
         "prefill 32x4096x512: fastest cuda 900.0 us = 1.000 x cuda's 900.0 us"]
