@@ -111,6 +111,7 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
   static_assert(D % 16 == 0, "the mma path needs head_size % 16 == 0");
   static_assert(WARPS == 2 || WARPS == 4, "2 or 4 warps (ops.py plans one of them)");
+  static_assert(M <= BN, "Q fits in one ring slot");
   // The Q fragments (A operand of S = Q K^T). Up to head size 128 every k-slice stays in
   // registers; above it they are reloaded per tile (keeping them would cost 48-64 more registers
   // per thread, about 250 in all at head size 256).

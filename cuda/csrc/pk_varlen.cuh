@@ -1,7 +1,7 @@
 // pk_varlen.cuh: attention for batches described by cu_seqlens_q (prefill, chunked prefill on a
 // cached prefix, decode, several query tokens per sequence), tiled over query tokens.
 //
-// Both kernels pack the query heads of one GQA group with the query tokens into the rows of a
+// Every kernel packs the query heads of one GQA group with the query tokens into the rows of a
 // tile: row r is token (r / heads_per_cta) and head (r % heads_per_cta) of the chunk, so one
 // K/V tile in shared memory serves every head of the group.
 //   Grid: (num_tokens / q_tile_tokens + num_seqs, num_kv_heads * num_head_chunks, 1). Tile x of
@@ -11,11 +11,13 @@
 //   One thread block owns: q_tile_tokens query tokens of one sequence x heads_per_cta heads of
 //   one KV head's group, against keys [kv_lo, last query position] of that sequence (the
 //   sliding window trims kv_lo).
-//   Bytes moved: the queries once; K and V of the visible range once per block (tiles of
-//   PK_VARLEN_BN keys gathered through the block table); one output row (+ lse) per row.
+//   Bytes moved: the queries once; K and V of the visible range once per block (tiles of BN
+//   keys gathered through the block table, 16-byte rows); one output row (+ lse) per row.
 //   Invariants: keys past a row's position or before its window start get -inf before the
 //   softmax; keys at positions >= the tile's last query position + 1 are never loaded (zeros
-//   instead), so NaN in unused cache slots cannot reach the result; offsets are int64.
+//   instead), so NaN in unused cache slots cannot reach the result; block-table entries past
+//   those positions are never read; offsets are int64; rows of q/k/v/out are 16-byte aligned
+//   (ops.py).
 //
 // pk_varlen_mma_async_kernel<T = __half | __nv_bfloat16, HEAD_SIZE, WARPS = 4 | 8> (the default
 //   for 16-bit types; plan stages = 2, threads = 32 * WARPS): WARPS warps x 16 rows (64 or 128
@@ -36,9 +38,9 @@
 //   rows; K/V tiles of PK_VARLEN_BN keys loaded synchronously (V stored transposed), operands
 //   read from shared memory 32 bits at a time.
 //   Shared memory: Q [64][HEAD_SIZE + 8], K [BN][HEAD_SIZE + 8], V^T [HEAD_SIZE][BN + 8] (T).
-// pk_varlen_simt_kernel<T, HEAD_SIZE>: 4 warps x 4 rows (16 rows), lane j <-> key j of the tile,
-//   float32 everywhere (the float32 path). Shared memory: Q [16][HEAD_SIZE], K [BN][HEAD_SIZE + 1],
-//   V [BN][HEAD_SIZE] (float).
+// pk_varlen_simt_kernel<T, HEAD_SIZE>: 4 warps x 4 rows (16 rows), lane j <-> key j of a
+//   PK_VARLEN_BN-key tile, float32 everywhere (the float32 path). Shared memory: Q
+//   [16][HEAD_SIZE], K [BN][HEAD_SIZE + 1], V [BN][HEAD_SIZE] (float).
 #pragma once
 #include "pk_common.cuh"
 #include "pk_cp_async.cuh"
