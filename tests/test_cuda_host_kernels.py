@@ -114,12 +114,26 @@ def test_decode_mma_ring_depths(monkeypatch, stages):
     check(case, torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["mma", "simt"])
-def test_decode_cache_offsets_past_int32(dtype):
-    """A cache whose block stride puts block 2 at element 2^32 + 2048 (both decode kernels):
-    offsets computed in 32 bits would wrap to the wrong rows. The storage is allocated but only
-    the three blocks are touched (untouched pages are never committed); slots past seq_len are
-    NaN."""
+#: kernel -> (dtype, query tokens, forced settings) for the int64-offset test
+OFFSET_KERNELS = {
+    "decode-mma": (torch.bfloat16, 1, {}),
+    "decode-mma-tile32": (torch.bfloat16, 1, {"PAGED_KERNELS_CUDA_DECODE_TILE": "32"}),
+    "decode-simt": (torch.float32, 1, {}),
+    "varlen-async": (torch.float16, 3, {}),
+    "varlen-async-8-warps": (torch.float16, 3, {"PAGED_KERNELS_CUDA_VARLEN_WARPS": "8"}),
+    "varlen-sync": (torch.float16, 3, {"PAGED_KERNELS_CUDA_VARLEN_STAGES": "1"}),
+}
+
+
+@pytest.mark.parametrize("kernel", OFFSET_KERNELS)
+def test_cache_offsets_past_int32(monkeypatch, kernel):
+    """A cache whose block stride puts block 2 at element 2^32 + 2048 (every decode and 16-bit
+    varlen kernel): offsets computed in 32 bits would wrap to the wrong rows. The storage is
+    allocated but only the three blocks are touched (untouched pages are never committed);
+    slots past seq_len are NaN."""
+    dtype, q_len, env = OFFSET_KERNELS[kernel]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     kv, bs, d, seq_len = 2, 16, 64, 27
     stride = 2 ** 31 + 1024
     g = torch.Generator().manual_seed(11)
@@ -132,10 +146,12 @@ def test_decode_cache_offsets_past_int32(dtype):
         view.copy_(data)
         views.append(view)
         dense.append(torch.cat([data[2], data[1]], dim=1)[:, :seq_len].transpose(0, 1))
-    q = torch.randn(1, 8, d, generator=g).to(dtype)
+    q = torch.randn(q_len, 8, d, generator=g).to(dtype)
+    cu = None if q_len == 1 else torch.tensor([0, q_len], dtype=torch.int32)
     out = pk.paged_attention(q, views[0], views[1], torch.tensor([[2, 1]], dtype=torch.int32),
-                             torch.tensor([seq_len], dtype=torch.int32), backend=BACKEND)
-    want, _ = attention_oracle(q, [dense[0]], [dense[1]], [1])
+                             torch.tensor([seq_len], dtype=torch.int32), cu_seqlens_q=cu,
+                             backend=BACKEND)
+    want, _ = attention_oracle(q, [dense[0]], [dense[1]], [q_len])
     assert rel_error(out, want) <= TOL[dtype]
 
 
