@@ -184,6 +184,21 @@ def test_dynamic_shared_memory_starts_poisoned(st):
 
 
 @host_only
+def test_shared_memory_past_the_launch_size_is_guarded(st):
+    """4 KiB past a launch's dynamic shared memory are poisoned too, and a block that writes
+    there fails the launch: a kernel whose layout outgrows its planned size is caught."""
+    out = torch.zeros(64)
+    st.read_unwritten(out.data_ptr(), 64, 32 * 4, False)
+    assert (out.view(torch.int32) == -1).all()  # floats 32..63 lie in the guard
+    st.write_shared_byte(1024, 1023)
+    for offset in (1024, 1024 + 4095):
+        with pytest.raises(RuntimeError, match="wrote shared memory byte .*, past the launch's "
+                                               "1024 bytes of dynamic shared memory"):
+            st.write_shared_byte(1024, offset)
+    st.write_shared_byte(1024, 1024 + 4096)  # beyond the guard: not seen (a documented limit)
+
+
+@host_only
 def test_static_shared_memory_of_template_kernels_starts_poisoned(st):
     out = torch.zeros(40)
     st.read_unwritten_static(out.data_ptr())

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -427,12 +428,20 @@ cudaError_t check_config(Worker& w, const void* kernel, dim3 grid, dim3 block, s
   return cudaSuccess;
 }
 
+// Bytes past a launch's dynamic shared memory that are poisoned as well and must be unchanged
+// when a block ends: a kernel whose layout outgrows the size its planner gave (ops.py) reads NaN
+// there, and a write there fails the launch (on a GPU it would touch another block's memory or
+// fault).
+constexpr size_t kSmemGuard = 4096;
+
+size_t poisoned_bytes(size_t smem) { return std::min(smem + kSmemGuard, kMaxDynamicSmem); }
+
 // Fills shared memory with 0xFF bytes (NaN in every float type) before a block runs.
 void poison_shared_memory(size_t smem) {
-  if (smem != 0) {
+  {
     void* regions[64];
     int n = pk_host_dynamic_smem_regions(regions, 64);
-    for (int i = 0; i < n; ++i) std::memset(regions[i], 0xff, smem);
+    for (int i = 0; i < n; ++i) std::memset(regions[i], 0xff, poisoned_bytes(smem));
   }
   thread_local std::vector<void*> statics;
   thread_local std::vector<size_t> sizes;
@@ -443,6 +452,18 @@ void poison_shared_memory(size_t smem) {
     pk_host_static_smem_regions(statics.data(), sizes.data(), n);
   }
   for (size_t i = 0; i < statics.size(); ++i) std::memset(statics[i], 0xff, sizes[i]);
+}
+
+// The first byte of the guard after `smem` bytes that a block changed, or -1.
+long long guard_written(size_t smem) {
+  void* regions[64];
+  int n = pk_host_dynamic_smem_regions(regions, 64);
+  for (int i = 0; i < n; ++i) {
+    const unsigned char* bytes = static_cast<const unsigned char*>(regions[i]);
+    for (size_t b = smem; b < poisoned_bytes(smem); ++b)
+      if (bytes[b] != 0xff) return static_cast<long long>(b);
+  }
+  return -1;
 }
 
 }  // namespace
@@ -548,6 +569,14 @@ cudaError_t launch_grid(const void* kernel, dim3 grid, dim3 block, size_t smem_b
           return record_error(w, cudaErrorLaunchFailure,
                               "kernel launch failed in block " + dims(tls_block_idx) + ": " +
                                   w.error);
+        }
+        const long long written = guard_written(smem_bytes);
+        if (written >= 0) {
+          return record_error(w, cudaErrorLaunchFailure,
+                              "kernel launch failed in block " + dims(tls_block_idx) +
+                                  ": wrote shared memory byte " + std::to_string(written) +
+                                  ", past the launch's " + std::to_string(smem_bytes) +
+                                  " bytes of dynamic shared memory");
         }
       }
     }

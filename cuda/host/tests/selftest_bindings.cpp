@@ -64,6 +64,9 @@ PYBIND11_MODULE(PK_SELFTEST_MODULE, m) {
   m.def("read_unwritten", [](uintptr_t out, int n, long long smem_bytes, bool opt_in) {
     check(st_read_unwritten(ptr<float>(out), n, smem_bytes, opt_in));
   });
+  m.def("write_shared_byte", [](long long smem_bytes, long long offset) {
+    check(st_write_shared_byte(smem_bytes, offset));
+  });
   m.def("read_unwritten_static", [](uintptr_t out) {
     check(st_read_unwritten_static(ptr<float>(out)));
   });

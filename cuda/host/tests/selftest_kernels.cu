@@ -137,6 +137,13 @@ __global__ void read_unwritten_kernel(float* out, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = buf[i];
 }
 
+// Thread 0 writes one byte of dynamic shared memory at `offset` (past the launch's size when
+// offset >= its smem bytes: the emulator must fail the launch).
+__global__ void write_shared_byte_kernel(long long offset) {
+  extern __shared__ __align__(16) float4 dyn_smem[];
+  if (threadIdx.x == 0) reinterpret_cast<unsigned char*>(dyn_smem)[offset] = 0;
+}
+
 
 namespace {
 
@@ -311,6 +318,11 @@ const char* st_read_unwritten(float* out, int n, long long smem_bytes, int opt_i
     if (err != cudaSuccess) return PK_LAST_LAUNCH_ERROR();
   }
   PK_LAUNCH(read_unwritten_kernel, 1, 64, smem_bytes, 0, out, n);
+  return launch_result(cudaSuccess);
+}
+
+const char* st_write_shared_byte(long long smem_bytes, long long offset) {
+  PK_LAUNCH(write_shared_byte_kernel, 1, 32, smem_bytes, 0, offset);
   return launch_result(cudaSuccess);
 }
 

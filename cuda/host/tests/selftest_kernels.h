@@ -7,6 +7,7 @@ const char* st_block_sum(const float* x, float* out, int rows, int n, int thread
 const char* st_neighbour(const float* x, float* out, int blocks, int threads, int barrier,
                          int dynamic);
 const char* st_read_unwritten(float* out, int n, long long smem_bytes, int opt_in);
+const char* st_write_shared_byte(long long smem_bytes, long long offset);
 const char* st_shuffles(const float* in, float* out, double* out_d, int* out_i, int threads);
 const char* st_warp_block_sum(const float* x, float* out, int blocks, int threads);
 const char* st_mma(const uint16_t* a, const uint16_t* bt, const float* c, float* d, int warps,
