@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from engine.config import QUANTIZATION_MODES
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="generated tokens (128)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     p.add_argument("--backend", default="auto", help="paged_kernels backend (auto)")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES,
+                   help="engine weight/activation quantization (docs/quant.md; auto)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--model", default=None, help=".gguf path or HF dir (default model)")
@@ -202,13 +206,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from engine.model.loader import default_model_path, load_model
 
     dtype = _DTYPES[args.dtype]
-    loaded = load_model(args.model, dtype=dtype)
+    loaded = load_model(args.model, dtype=dtype, quantization=args.quantization)
     hf = None if args.skip_hf else load_hf(args.model or default_model_path(), dtype)
     report: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(),
         "model": loaded.name, "dtype": args.dtype, "backend": args.backend,
+        "quantization": loaded.quantization,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "runs": []}
     for n in args.batch_sizes:
         per_seq = -(-(args.prompt_len + args.max_tokens) // args.block_size)
