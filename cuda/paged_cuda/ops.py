@@ -44,7 +44,7 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 
 KERNEL_DECODE, KERNEL_VARLEN_MMA, KERNEL_VARLEN_SIMT, KERNEL_DECODE_MMA = 0, 1, 2, 3
-THREADS = 128  # every attention kernel runs 4 warps (PK_DECODE_THREADS, PK_VARLEN_THREADS)
+THREADS = 128  # 4 warps; plan.threads differs for the 2-warp decode / 8-warp varlen kernels
 DECODE_WARPS = 4
 VARLEN_BN = 32  # PK_VARLEN_BN (the synchronous varlen kernel)
 MMA_ROWS, SIMT_ROWS = 64, 16  # PK_VARLEN_MMA_ROWS, PK_VARLEN_SIMT_ROWS
