@@ -20,10 +20,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -38,6 +40,7 @@ namespace {
 #define PK_INLINE inline __attribute__((always_inline))
 
 constexpr int KEY_CHUNK = 64;
+constexpr int UNIT_KEYS = 16;  // keys per (keys x KV head) unit of a chunk, a multiple of 4
 constexpr int LANES = 8;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -393,17 +396,34 @@ std::vector<Item> plan(const Problem& p, int64_t tile) {
   return items;
 }
 
+// 64-byte aligned storage for std::vector (aligned vector loads of the transposed keys).
+template <typename U>
+struct AlignedAlloc {
+  using value_type = U;
+  AlignedAlloc() = default;
+  template <typename V>
+  AlignedAlloc(const AlignedAlloc<V>&) {}
+  U* allocate(size_t n) {
+    return static_cast<U*>(::operator new(n * sizeof(U), std::align_val_t{64}));
+  }
+  void deallocate(U* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  bool operator==(const AlignedAlloc&) const { return true; }
+  bool operator!=(const AlignedAlloc&) const { return false; }
+};
+
 // Per-thread scratch, sized once per call.
 template <typename T>
 struct Scratch {
   std::vector<float> q, acc, scores, m, l, kf, vf;
   std::vector<T> qraw;                 // unscaled queries (the bf16 dot-product path)
+  std::vector<uint16_t> wb;            // bf16 weights (the bf16 P.V path), KEY_CHUNK per row
+  std::vector<uint32_t, AlignedAlloc<uint32_t>> kt;  // transposed K pairs: [d / 2][16] (64-byte aligned)
   std::vector<int64_t> pos;
   std::vector<const T*> kp, vp;        // K/V row pointers of the chunk: KEY_CHUNK per KV head
   std::vector<const float*> kfp, vfp;  // rows of kf / vf
   Scratch(int rows, int d, int heads)
       : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows), l(rows),
-        kf(KEY_CHUNK * d), vf(KEY_CHUNK * d), qraw(rows * d), pos(rows),
+        kf(KEY_CHUNK * d), vf(KEY_CHUNK * d), qraw(rows * d), wb(rows * KEY_CHUNK), kt(d / 2 * 16 + 16), pos(rows),
         kp(KEY_CHUNK * heads), vp(KEY_CHUNK * heads), kfp(KEY_CHUNK), vfp(KEY_CHUNK) {}
 };
 
@@ -413,18 +433,30 @@ class ItemKernel {
   ItemKernel(const Problem& p, const T* q, const T* k, const T* v, T* out, const Item& it,
              Scratch<T>& sc)
       : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
-        g_(p.group()), rh_(static_cast<int>(it.rows) * g_), nh_(it.kv_heads), rows_(rh_ * nh_) {}
+        g_(p.group()), rh_(static_cast<int>(it.rows) * g_), nh_(it.kv_heads), rows_(rh_ * nh_),
+        pairs_(uses_pairs(p)) {}
+
+  // Whether the P.V product runs on vdpbf16ps (accumulate_pairs): bf16 with d % 32 == 0 on the
+  // AVX-512 BF16 build.
+  static bool uses_pairs(const Problem& p) {
+#if defined(PK_AVX512)
+    return std::is_same_v<T, at::BFloat16> && p.head_size % 32 == 0;
+#else
+    (void)p;
+    return false;
+#endif
+  }
 
   void run() {
     load_queries();
     int64_t lo, hi;  // keys [lo, hi) visible to at least one row
     key_range(lo, hi);
+    // The first chunk's lines are requested up front; later chunks come in address order (block-
+    // major units, see chunk()), which the hardware prefetcher follows: software prefetches of the
+    // next chunk, spread over this one's units, were slower (cold 16 x 320 decode, 30 layers, 1
+    // thread: 13.8 ms a step against 11.7 without).
     prefetch(lo, std::min<int64_t>(hi, lo + KEY_CHUNK));
-    for (int64_t c = lo; c < hi; c += KEY_CHUNK) {
-      const int64_t c1 = std::min<int64_t>(hi, c + KEY_CHUNK);
-      prefetch(c1, std::min<int64_t>(hi, c1 + KEY_CHUNK));  // the next chunk, while this one runs
-      chunk(c, c1);
-    }
+    for (int64_t c = lo; c < hi; c += KEY_CHUNK) chunk(c, std::min<int64_t>(hi, c + KEY_CHUNK));
     store();
   }
 
@@ -460,6 +492,8 @@ class ItemKernel {
   // key): kp[hh * KEY_CHUNK + jj] for KV head kv_head + hh. Block ids were validated by
   // contents_valid.
   void locate(int64_t c0, int n) {
+    const T** kp = sc_.kp.data();
+    const T** vp = sc_.vp.data();
     int64_t b = c0 / p_.block_size, off = c0 % p_.block_size;
     const int32_t* table = p_.block_tables + it_.seq * p_.max_blocks;
     for (int jj = 0; jj < n; ++jj) {
@@ -467,8 +501,8 @@ class ItemKernel {
       const T* k = k_ + id * p_.k_s0 + it_.kv_head * p_.k_s1 + off * p_.k_s2;
       const T* v = v_ + id * p_.v_s0 + it_.kv_head * p_.v_s1 + off * p_.v_s2;
       for (int hh = 0; hh < nh_; ++hh) {
-        sc_.kp[hh * KEY_CHUNK + jj] = k + hh * p_.k_s1;
-        sc_.vp[hh * KEY_CHUNK + jj] = v + hh * p_.v_s1;
+        kp[hh * KEY_CHUNK + jj] = k + hh * p_.k_s1;
+        vp[hh * KEY_CHUNK + jj] = v + hh * p_.v_s1;
       }
       if (++off == p_.block_size) {
         off = 0;
@@ -477,8 +511,8 @@ class ItemKernel {
     }
     for (int hh = 0; hh < nh_; ++hh)  // padding for the 8-key score kernels
       for (int jj = n; jj < (n + 7) / 8 * 8; ++jj) {
-        sc_.kp[hh * KEY_CHUNK + jj] = sc_.kp[hh * KEY_CHUNK];
-        sc_.vp[hh * KEY_CHUNK + jj] = sc_.vp[hh * KEY_CHUNK];
+        kp[hh * KEY_CHUNK + jj] = kp[hh * KEY_CHUNK];
+        vp[hh * KEY_CHUNK + jj] = vp[hh * KEY_CHUNK];
       }
   }
 
@@ -510,23 +544,41 @@ class ItemKernel {
     }
   }
 
-  // All KV heads of the item go through each chunk together, so a block's K (then V) rows of
-  // every head are read as one contiguous run.
+  // All KV heads of the item go through each chunk together, in units of UNIT_KEYS keys (a
+  // block at block size 16) x one KV head, block-major where unit_keys allows: the K (then V)
+  // rows of a block's heads, one contiguous [num_kv_heads, block_size, head_size] run, are then
+  // read in address order.
   void chunk(int64_t c0, int64_t c1) {
-    const int n = static_cast<int>(c1 - c0);
+    const int n = static_cast<int>(c1 - c0), step = unit_keys(n);
     locate(c0, n);
-    for (int hh = 0; hh < nh_; ++hh) head_scores(hh, n);
+    for (int j0 = 0; j0 < n; j0 += step)
+      for (int hh = 0; hh < nh_; ++hh)
+        head_scores(hh, j0, std::min(n, j0 + step), &sc_.kp[hh * KEY_CHUNK]);
     for (int r = 0; r < rows_; ++r) finish_scores(r, c0, n);
     softmax_step(n);
-    for (int hh = 0; hh < nh_; ++hh) accumulate_values(hh, n);
+#if defined(PK_AVX512)
+    if (pairs_) weights_bf16(n);
+#endif
+    for (int j0 = 0; j0 < n; j0 += step)
+      for (int hh = 0; hh < nh_; ++hh)
+        accumulate_values(hh, j0, std::min(n, j0 + step), &sc_.vp[hh * KEY_CHUNK]);
   }
 
-  // Raw scores of the rows of KV head hh: with at most 4 rows per head (decode) K is read straight
-  // from the cache; with more, each K row is widened once into kf and reused by every row pair.
-  void head_scores(int hh, int n) {
-    const T* const* krows = &sc_.kp[hh * KEY_CHUNK];
+  // Keys per unit of chunk(): UNIT_KEYS on the bf16 vdpbf16ps paths (scores and P.V both take a
+  // key range), the whole chunk otherwise.
+  int unit_keys(int n) const { return pairs_ ? UNIT_KEYS : n; }
+
+  // Raw scores of the rows of KV head hh: bf16 on AVX-512 BF16 goes to dot_scores (K straight
+  // from the cache, any row count); otherwise, with at most 4 rows per head (decode) K is read
+  // straight from the cache, and with more each K row is widened once into kf and reused by every
+  // row pair.
+  // Keys [j0, j1) of the chunk; the paths other than dot_scores take the whole chunk (j0 == 0).
+  void head_scores(int hh, int j0, int j1, const T* const* krows) {
+    if (dot_scores(hh, krows, j0, j1)) return;
+    assert(j0 == 0);
+    const int n = j1;
     if (rh_ <= 4) {
-      if (!dot_scores(hh, krows, n)) compute_scores(hh * rh_, krows, n);
+      compute_scores(hh * rh_, krows, n);
       return;
     }
     float* kf = sc_.kf.data();
@@ -542,34 +594,114 @@ class ItemKernel {
   // bf16 keys with vdpbf16ps (exact products, float32 sums), then the scale. Returns false, having
   // done nothing, where it does not apply (other dtypes, d % 32 != 0, no AVX-512 build).
   template <typename S>
-  bool dot_scores(int hh, const S* const* krows, int n) {
+  bool dot_scores(int hh, const S* const* krows, int j0, int j1) {
 #if defined(PK_AVX512)
     if constexpr (std::is_same_v<S, at::BFloat16>) {
       if (d_ % 32 != 0) return false;
-      const int r0 = hh * rh_;
-      const S* q = &sc_.qraw[r0 * d_];
-      switch (rh_) {
-        case 4: dot_rows_bf16<4>(r0, krows, n); break;
-        case 3: dot_rows_bf16<3>(r0, krows, n); break;
-        case 2: dot_rows_bf16<2>(r0, krows, n); break;
-        default: dot_rows_bf16<1>(r0, krows, n); break;
+      const int first = hh * rh_;
+      if (rh_ > 4 && j1 - j0 <= UNIT_KEYS) {  // many rows (prefill): transpose K once, reuse it
+        transposed_scores(first, krows, j0, j1);
+        return true;
       }
+      for (int r0 = first; r0 < first + rh_; r0 += 4)  // each K row load feeds up to 4 rows
+        switch (std::min(4, first + rh_ - r0)) {
+          case 4: dot_rows_bf16<4>(r0, krows, j0, j1); break;
+          case 3: dot_rows_bf16<3>(r0, krows, j0, j1); break;
+          case 2: dot_rows_bf16<2>(r0, krows, j0, j1); break;
+          default: dot_rows_bf16<1>(r0, krows, j0, j1); break;
+        }
       return true;
     }
 #endif
-    (void)hh, (void)krows, (void)n;
+    (void)hh, (void)krows, (void)j0, (void)j1;
     return false;
   }
 
 #if defined(PK_AVX512)
+  // Scores of rows [first, first + rh_) for keys [j0, j1) (at most 16; the 16 slots from j0 are
+  // written, j0 + 16 <= KEY_CHUNK): the keys' rows are transposed into bf16 pairs per key
+  // (kt[x / 2] = lane k holds K[j0 + k][x, x + 1]), so that one vdpbf16ps adds a query pair's
+  // products for 16 keys at once and no horizontal sum is needed. The transpose costs about as
+  // much as 3 rows' dot products; with the dozens of rows of a prefill tile it is repaid many
+  // times over (dots_bf16's per-4-keys reduction is half of its work).
+  void transposed_scores(int first, const at::BFloat16* const* krows, int j0, int j1) {
+    const at::BFloat16* rows[16];
+    for (int k = 0; k < 16; ++k) rows[k] = krows[j0 + k < j1 ? j0 + k : j0];  // pads: a valid row
+    __m512i* kt = reinterpret_cast<__m512i*>(sc_.kt.data());
+    for (int x = 0; x < d_; x += 32) transpose16(rows, x, kt + x / 2);
+    int r0 = first;
+    for (; r0 + 8 <= first + rh_; r0 += 8) scores_t<8>(r0, j0);
+    switch (first + rh_ - r0) {
+      case 7: scores_t<7>(r0, j0); break;
+      case 6: scores_t<6>(r0, j0); break;
+      case 5: scores_t<5>(r0, j0); break;
+      case 4: scores_t<4>(r0, j0); break;
+      case 3: scores_t<3>(r0, j0); break;
+      case 2: scores_t<2>(r0, j0); break;
+      case 1: scores_t<1>(r0, j0); break;
+      default: break;
+    }
+  }
+
+  // out[c] = the 32-bit column c (bf16 elements x + 2c, x + 2c + 1) of rows[0..16), c < 16: a
+  // 16 x 16 transpose of 32-bit elements (pairs within 128-bit lanes, then 64-bit pairs, then
+  // two rounds of 128-bit chunk shuffles).
+  static PK_INLINE void transpose16(const at::BFloat16* const* rows, int x, __m512i* out) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+      const __m512i a = _mm512_loadu_si512(rows[i] + x), b = _mm512_loadu_si512(rows[i + 1] + x);
+      t[i] = _mm512_unpacklo_epi32(a, b);      // lane L: a[4L], b[4L], a[4L+1], b[4L+1]
+      t[i + 1] = _mm512_unpackhi_epi32(a, b);  // lane L: a[4L+2], b[4L+2], a[4L+3], b[4L+3]
+    }
+    for (int g = 0; g < 4; ++g) {  // u[4g + c], lane L: column 4L + c of rows 4g..4g+3
+      u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+      u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+      u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+      u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {  // column 4L + c gathers lane L of u[c], u[4 + c], ...
+      const __m512i p0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+      const __m512i p1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+      const __m512i p2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+      const __m512i p3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+      out[c] = _mm512_shuffle_i32x4(p0, p2, 0x88);
+      out[4 + c] = _mm512_shuffle_i32x4(p1, p3, 0x88);
+      out[8 + c] = _mm512_shuffle_i32x4(p0, p2, 0xDD);
+      out[12 + c] = _mm512_shuffle_i32x4(p1, p3, 0xDD);
+    }
+  }
+
+  // Scaled scores of the R rows from r0 against the 16 transposed keys of sc_.kt, into slots
+  // [j0, j0 + 16): two accumulators per row (even and odd query pairs) for independent chains.
+  template <int R>
+  void scores_t(int r0, int j0) {
+    const __m512i* kt = reinterpret_cast<const __m512i*>(sc_.kt.data());
+    const at::BFloat16* q = &sc_.qraw[r0 * d_];
+    __m512 acc[2][R];
+    for (int i = 0; i < R; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+    for (int x = 0; x < d_ / 2; x += 2)
+      for (int e = 0; e < 2; ++e) {
+        const __m512bh k = (__m512bh)_mm512_load_si512(kt + x + e);
+        for (int i = 0; i < R; ++i) {
+          uint32_t pair;
+          std::memcpy(&pair, q + i * d_ + 2 * (x + e), sizeof pair);
+          acc[e][i] = _mm512_dpbf16_ps(acc[e][i], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), k);
+        }
+      }
+    const __m512 scale = _mm512_set1_ps(p_.scale);
+    for (int i = 0; i < R; ++i)
+      _mm512_storeu_ps(&sc_.scores[(r0 + i) * KEY_CHUNK + j0],
+                       _mm512_mul_ps(_mm512_add_ps(acc[0][i], acc[1][i]), scale));
+  }
+
   // Scaled scores of the NR rows from r0 for keys [0, n) (padded to a multiple of 4): lanes
   // 4i..4i+3 of dots_bf16 are row i's four keys, one 128-bit store each.
   template <int NR>
-  void dot_rows_bf16(int r0, const at::BFloat16* const* krows, int n) {
+  void dot_rows_bf16(int r0, const at::BFloat16* const* krows, int j0, int j1) {
     const at::BFloat16* q = &sc_.qraw[r0 * d_];
     const __m512 scale = _mm512_set1_ps(p_.scale);
     float* out = &sc_.scores[r0 * KEY_CHUNK];
-    for (int jj = 0; jj < n; jj += 4) {
+    for (int jj = j0; jj < j1; jj += 4) {
       const __m512 s = _mm512_mul_ps(dots_bf16<NR>(q, krows + jj, d_), scale);
       _mm_storeu_ps(out + jj, _mm512_castps512_ps128(s));
       if (NR > 1) _mm_storeu_ps(out + KEY_CHUNK + jj, _mm512_extractf32x4_ps(s, 1));
@@ -636,9 +768,25 @@ class ItemKernel {
   // acc[r] += sum_j w[r][j] * V[j] over the chunk, rows in groups of up to 4 whose 8-float slices
   // of acc stay in registers across the chunk's keys. With at most 4 rows (decode) V is widened
   // straight from the cache; otherwise each V row is widened once into vf and reused per group.
-  void accumulate_values(int hh, int n) {
-    const T* const* vrows = &sc_.vp[hh * KEY_CHUNK];
+  // Keys [j0, j1) of the chunk; the paths other than accumulate_pairs take the whole chunk.
+  void accumulate_values(int hh, int j0, int j1, const T* const* vrows) {
     const int first = hh * rh_;
+#if defined(PK_AVX512)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (pairs_) {
+        for (int r0 = first; r0 < first + rh_; r0 += 4)
+          switch (std::min(4, first + rh_ - r0)) {
+            case 4: accumulate_pairs<4>(r0, j0, j1, vrows); break;
+            case 3: accumulate_pairs<3>(r0, j0, j1, vrows); break;
+            case 2: accumulate_pairs<2>(r0, j0, j1, vrows); break;
+            default: accumulate_pairs<1>(r0, j0, j1, vrows); break;
+          }
+        return;
+      }
+    }
+#endif
+    assert(j0 == 0);
+    const int n = j1;
     if (rh_ <= 4) {
       accumulate_group(first, rh_, n, vrows);
       return;
@@ -651,6 +799,63 @@ class ItemKernel {
     for (int r0 = first; r0 < first + rh_; r0 += 4)
       accumulate_group(r0, std::min(4, first + rh_ - r0), n, sc_.vfp.data());
   }
+
+#if defined(PK_AVX512)
+  // The P.V product with vdpbf16ps (bf16, d % 32 == 0, AVX-512 BF16: pairs_): the chunk's weights
+  // of every row rounded to bf16 (as GPU flash attention rounds P for its P.V matrix
+  // product; relative error 2^-9 per weight, the sums stay float32) into wb; keys past n get
+  // weight 0 (the pad key of an odd n then adds 0 x a finite row).
+  void weights_bf16(int n) {
+    for (int r = 0; r < rows_; ++r) {
+      const float* w = &sc_.scores[r * KEY_CHUNK];
+      uint16_t* dst = &sc_.wb[r * KEY_CHUNK];
+      for (int i = 0; i < n; i += 16) {
+        const __mmask16 live = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, w + i));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<const __m256i&>(b));
+      }
+    }
+  }
+
+  // acc[r] += sum_j w[r][j] V[j] for NR rows from r0, two keys per vdpbf16ps: the V rows of keys
+  // j and j + 1 are interleaved into bf16 pairs (unpacklo/hi_epi16), the weights (w_j, w_j+1)
+  // broadcast as one pair. The unpack leaves the columns in the order pair_column describes,
+  // which acc keeps for the whole item (store() puts them back). Keys padded to a multiple of 2.
+  template <int NR>
+  void accumulate_pairs(int r0, int j0, int j1, const at::BFloat16* const* vrows) {
+    const uint16_t* w = &sc_.wb[r0 * KEY_CHUNK];
+    float* acc = &sc_.acc[r0 * d_];
+    int x = 0;
+    for (; x + 64 <= d_; x += 64) pairs_pass<NR, 2>(x, j0, j1, w, acc, vrows);
+    for (; x < d_; x += 32) pairs_pass<NR, 1>(x, j0, j1, w, acc, vrows);
+  }
+
+  // Columns [x, x + 32 * Z) of accumulate_pairs: NR x 2Z accumulators in registers over the keys.
+  template <int NR, int Z>
+  PK_INLINE void pairs_pass(int x, int j0, int j1, const uint16_t* w, float* acc,
+                            const at::BFloat16* const* vrows) {
+    __m512 a[NR][2 * Z];
+    for (int i = 0; i < NR; ++i)
+      for (int u = 0; u < 2 * Z; ++u) a[i][u] = _mm512_loadu_ps(acc + i * d_ + x + 16 * u);
+    for (int jj = j0; jj < j1; jj += 2) {
+      __m512i v[2 * Z];
+      for (int z = 0; z < Z; ++z) {
+        const __m512i v0 = _mm512_loadu_si512(vrows[jj] + x + 32 * z);
+        const __m512i v1 = _mm512_loadu_si512(vrows[jj + 1] + x + 32 * z);
+        v[2 * z] = _mm512_unpacklo_epi16(v0, v1);
+        v[2 * z + 1] = _mm512_unpackhi_epi16(v0, v1);
+      }
+      for (int i = 0; i < NR; ++i) {
+        uint32_t pair;
+        std::memcpy(&pair, w + i * KEY_CHUNK + jj, sizeof pair);
+        const __m512bh wi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int u = 0; u < 2 * Z; ++u) a[i][u] = _mm512_dpbf16_ps(a[i][u], wi, (__m512bh)v[u]);
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int u = 0; u < 2 * Z; ++u) _mm512_storeu_ps(acc + i * d_ + x + 16 * u, a[i][u]);
+  }
+#endif
 
   template <typename S>
   void accumulate_group(int r0, int nr, int n, const S* const* vrows) {
@@ -715,12 +920,22 @@ class ItemKernel {
       }
   }
 
+  // The column that accumulate_pairs keeps at acc index i: per 32 columns, unpacklo_epi16 holds
+  // columns 8L + t (t < 4) of each 128-bit lane L in lanes 4L + t, unpackhi columns 8L + 4 + t.
+  static int pair_column(int i) {
+    const int z = i / 32, e = i % 32, hi = e / 16, lane = (e % 16) / 4, t = e % 4;
+    return 32 * z + 8 * lane + 4 * hi + t;
+  }
+
   void store() {
     for (int r = 0; r < rows_; ++r) {
       T* dst = out_ + token(r) * p_.o_s0 + head(r) * p_.o_s1;
       float inv = sc_.l[r] > 0.f ? 1.f / sc_.l[r] : 0.f;  // no visible key (invalid input): 0
       const float* a = &sc_.acc[r * d_];
-      for (int i = 0; i < d_; ++i) dst[i] = from_float<T>(a[i] * inv);
+      if (pairs_)
+        for (int i = 0; i < d_; ++i) dst[pair_column(i)] = from_float<T>(a[i] * inv);
+      else
+        for (int i = 0; i < d_; ++i) dst[i] = from_float<T>(a[i] * inv);
       if (p_.lse != nullptr)
         p_.lse[token(r) * p_.num_heads + head(r)] =
             sc_.l[r] > 0.f ? sc_.m[r] + std::log(sc_.l[r]) : NEG_INF;
@@ -735,6 +950,7 @@ class ItemKernel {
   const Item& it_;
   Scratch<T>& sc_;
   const int d_, g_, rh_, nh_, rows_;  // rows per KV head, KV heads, rows of the item
+  const bool pairs_;  // P.V by accumulate_pairs (acc in pair_column order)
 };
 
 template <typename T>
