@@ -246,6 +246,23 @@ inline float exp_shifted(float* x, int n, float shift) {
   for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
   return sum;
 }
+#if defined(PK_AVX512)
+// out[i] = bf16(exp(x[i] - shift)) for i in [a, b) (other entries untouched); returns the sum of
+// the float32 values.
+inline float exp_shifted_bf16(const float* x, uint16_t* out, int a, int b, float shift) {
+  const __m512 sh = _mm512_set1_ps(shift);
+  __m512 total = _mm512_setzero_ps();
+  for (int i = a; i < b; i += 16) {
+    const __mmask16 live = b - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (b - i)) - 1);
+    const __m512 e =
+        _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + i), sh)));
+    total = _mm512_add_ps(total, e);
+    const __m256bh h = _mm512_cvtneps_pbh(e);
+    _mm256_mask_storeu_epi16(out + i, live, reinterpret_cast<const __m256i&>(h));
+  }
+  return _mm512_reduce_add_ps(total);
+}
+#endif
 #else
 // Portable: LANES partial sums so that the compiler vectorises without -ffast-math (which would
 // break the masks' -inf handling).
@@ -407,12 +424,13 @@ struct Scratch {
   std::vector<uint16_t> wb;            // bf16 weights (the bf16 P.V path), KEY_CHUNK per row
   std::vector<uint32_t, AlignedAlloc<uint32_t>> kt;  // transposed K pairs: [d / 2][16], aligned
   std::vector<int64_t> pos;
+  std::vector<int> vis;                // per row: the chunk's visible keys [vis[2r], vis[2r + 1])
   std::vector<const T*> kp, vp;        // K/V row pointers of the chunk: KEY_CHUNK per KV head
   std::vector<const float*> kfp, vfp;  // rows of kf / vf
   Scratch(int rows, int d, int heads)
       : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows), l(rows),
         kf(KEY_CHUNK * d), vf(KEY_CHUNK * d), qraw(rows * d), wb(rows * KEY_CHUNK),
-        kt(d / 2 * 16), pos(rows),
+        kt(d / 2 * 16), pos(rows), vis(2 * rows),
         kp(KEY_CHUNK * heads), vp(KEY_CHUNK * heads), kfp(KEY_CHUNK), vfp(KEY_CHUNK) {}
 };
 
@@ -545,9 +563,6 @@ class ItemKernel {
         head_scores(hh, j0, std::min(n, j0 + step), &sc_.kp[hh * KEY_CHUNK]);
     for (int r = 0; r < rows_; ++r) finish_scores(r, c0, n);
     softmax_step(n);
-#if defined(PK_AVX512)
-    if (pairs_) weights_bf16(n);
-#endif
     for (int j0 = 0; j0 < n; j0 += step)
       for (int hh = 0; hh < nh_; ++hh)
         accumulate_values(hh, j0, std::min(n, j0 + step), &sc_.vp[hh * KEY_CHUNK]);
@@ -722,7 +737,8 @@ class ItemKernel {
         scores8(&sc_.q[r * d_], krows + jj, d_, S_ + r * KEY_CHUNK + jj);
   }
 
-  // Soft cap, ALiBi, then the mask: row r sees positions [pos - window + 1, pos].
+  // Soft cap, ALiBi, then the mask: row r sees positions [pos - window + 1, pos], the chunk's
+  // keys [vis[2r], vis[2r + 1]); softmax_step computes only those (the rest get weight 0).
   void finish_scores(int r, int64_t c0, int n) {
     float* s = &sc_.scores[r * KEY_CHUNK];
     const int64_t pos = sc_.pos[r];
@@ -732,32 +748,51 @@ class ItemKernel {
       const float slope = p_.alibi[head(r)];
       for (int jj = 0; jj < n; ++jj) s[jj] += slope * static_cast<float>(c0 + jj - pos);
     }
-    int64_t first = p_.window > 0 ? pos - p_.window + 1 : c0;
-    int a = static_cast<int>(std::clamp<int64_t>(first - c0, 0, n));
-    int b = static_cast<int>(std::clamp<int64_t>(pos + 1 - c0, a, n));
-    std::fill(s, s + a, NEG_INF);
-    std::fill(s + b, s + n, NEG_INF);
+    const int64_t first = p_.window > 0 ? pos - p_.window + 1 : c0;
+    const int a = static_cast<int>(std::clamp<int64_t>(first - c0, 0, n));
+    sc_.vis[2 * r] = a;
+    sc_.vis[2 * r + 1] = static_cast<int>(std::clamp<int64_t>(pos + 1 - c0, a, n));
   }
 
-  // Online softmax: scores become weights exp(s - m_new); acc and l are rescaled to m_new.
+  // Online softmax over each row's visible keys: scores become weights exp(s - m_new) (0 for the
+  // keys outside), acc and l are rescaled to m_new.
   void softmax_step(int n) {
     for (int r = 0; r < rows_; ++r) {
       float* s = &sc_.scores[r * KEY_CHUNK];
-      float cmax = row_max(s, n);
-      float m_new = std::max(sc_.m[r], cmax);
+      const int a = sc_.vis[2 * r], b = sc_.vis[2 * r + 1];
+      const float m_new = std::max(sc_.m[r], row_max(s + a, b - a));
       if (m_new == NEG_INF) {  // nothing visible yet for this row
-        std::fill_n(s, n, 0.f);
+        weights(r, 0, 0, n, 0.f);
         continue;
       }
-      float alpha = std::exp(sc_.m[r] - m_new);  // 0 when m was -inf
-      float sum = exp_shifted(s, n, m_new);
+      const float alpha = std::exp(sc_.m[r] - m_new);  // 0 when m was -inf
+      const float sum = weights(r, a, b, n, m_new);
       if (alpha != 1.f) {
-        float* a = &sc_.acc[r * d_];
-        for (int i = 0; i < d_; ++i) a[i] *= alpha;
+        float* acc = &sc_.acc[r * d_];
+        for (int i = 0; i < d_; ++i) acc[i] *= alpha;
       }
       sc_.l[r] = sc_.l[r] * alpha + sum;
       sc_.m[r] = m_new;
     }
+  }
+
+  // Row r's weights for the chunk's n keys: exp(s - shift) on [a, b), 0 elsewhere; returns their
+  // (float32) sum. In place as float32, or, on the vdpbf16ps P.V path (pairs_), rounded to bf16
+  // into wb (as GPU flash attention rounds P for its P.V matrix product: relative error 2^-9 per
+  // weight; l and the accumulators stay float32), the whole KEY_CHUNK row cleared first, so the
+  // pad key of an odd n adds 0 x a finite row.
+  float weights(int r, int a, int b, int n, float shift) {
+    float* s = &sc_.scores[r * KEY_CHUNK];
+#if defined(PK_AVX512)
+    if (pairs_) {
+      uint16_t* w = &sc_.wb[r * KEY_CHUNK];
+      std::fill_n(w, KEY_CHUNK, uint16_t{0});
+      return exp_shifted_bf16(s, w, a, b, shift);
+    }
+#endif
+    std::fill(s, s + a, 0.f);
+    std::fill(s + b, s + n, 0.f);
+    return exp_shifted(s + a, b - a, shift);
   }
 
   // acc[r] += sum_j w[r][j] * V[j] over the chunk, rows in groups of up to 4 whose 8-float slices
@@ -796,23 +831,6 @@ class ItemKernel {
   }
 
 #if defined(PK_AVX512)
-  // The P.V product with vdpbf16ps (bf16, d % 32 == 0, AVX-512 BF16: pairs_): the chunk's weights
-  // of every row rounded to bf16 (as GPU flash attention rounds P for its P.V matrix
-  // product; relative error 2^-9 per weight, the sums stay float32) into wb; keys past n get
-  // weight 0 (the pad key of an odd n then adds 0 x a finite row).
-  void weights_bf16(int n) {
-    for (int r = 0; r < rows_; ++r) {
-      const float* w = &sc_.scores[r * KEY_CHUNK];
-      uint16_t* dst = &sc_.wb[r * KEY_CHUNK];
-      for (int i = 0; i < n; i += 16) {
-        const __mmask16 live = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, w + i));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                            reinterpret_cast<const __m256i&>(b));
-      }
-    }
-  }
-
   // acc[r] += sum_j w[r][j] V[j] for NR rows from r0, two keys per vdpbf16ps: the V rows of keys
   // j and j + 1 are interleaved into bf16 pairs (unpacklo/hi_epi16), the weights (w_j, w_j+1)
   // broadcast as one pair. The unpack leaves the columns in the order pair_column describes,
