@@ -5,11 +5,23 @@ fastest is the stable figure on a shared machine); no speed assertion (docs/cpu.
 
     python -m pytest bench/test_bench_cpu.py -q -s
     python bench/test_bench_cpu.py            # the same table without pytest
+    python -m bench.test_bench_cpu --against OLD.cpp   # same-process A/B of two kernel sources
+
+`--against` compiles each given `paged_attention.cpp` beside the current one and times them in
+turn in one process, 1 thread, the thread's CPU time (other processes on the cores change it
+less than wall time): a decode step of 16 x 320 over 30 layers' caches laid out as the engine
+lays them out (KVCache pool, prompt blocks contiguous per sequence, decode blocks interleaved),
+without and with `layer_ops.warm_blocks` before each call, and a 5 x 256 causal prefill.
 """
 
 from __future__ import annotations
 
+import argparse
+import statistics
 import time
+from pathlib import Path
+from types import ModuleType
+from typing import Sequence
 
 import pytest
 import torch
@@ -64,7 +76,131 @@ def test_cpu_vs_reference(shape: str, threads: int) -> None:
           f"reference {ref[0]:.3f} ms (median {ref[1]:.3f}), speed-up {ref[0] / cpu[0]:.1f}x")
 
 
-if __name__ == "__main__":
+class EngineDecode:
+    """A decode step's attention inputs in the engine's layout: `layers` layers' caches in one
+    KVCache pool (transparent huge pages where the kernel gives them, zeroed, then random), `batch`
+    sequences of about `context` tokens whose first 256 tokens' blocks are contiguous per sequence
+    and whose later blocks interleave (one per sequence in turn, as decode allocates them)."""
+
+    def __init__(self, batch: int = 16, context: int = 320, layers: int = COLD_LAYERS,
+                 seed: int = 0) -> None:
+        from engine.kv_cache import KVCache
+        h = HEADS
+        bs = h["block_size"]
+        torch.manual_seed(seed)
+        per_seq = -(-context // bs)
+        prompt = min(per_seq, 256 // bs)
+        self.kv = KVCache(layers, h["num_kv_heads"], h["head_size"], batch * per_seq, bs,
+                          torch.bfloat16)
+        for k, v in self.kv.device_caches:
+            k.normal_()
+            v.normal_()
+        order = [(s, b) for s in range(batch) for b in range(prompt)]
+        order += [(s, b) for b in range(prompt, per_seq) for s in range(batch)]
+        self.tables = torch.zeros(batch, per_seq, dtype=torch.int32)
+        for block, (s, b) in enumerate(order):
+            self.tables[s, b] = block
+        self.lens = context - torch.arange(batch, dtype=torch.int32) % 3
+        self.kv_blocks = self.tables.flatten().to(torch.int64)
+        self.queries = [torch.randn(batch, h["num_heads"], h["head_size"]).to(torch.bfloat16)
+                        for _ in range(layers)]
+        self.out = torch.empty_like(self.queries[0])
+
+    def step(self, ext: ModuleType, warm: bool) -> None:
+        """Every layer's decode attention through the compiled module `ext` (1 thread)."""
+        from engine.model import layer_ops
+        scale = HEADS["head_size"] ** -0.5
+        for q, (k, v) in zip(self.queries, self.kv.device_caches):
+            if warm:
+                layer_ops.warm_blocks(k, v, self.kv_blocks)
+            ext.paged_attention(q, k, v, self.tables, self.lens, None, self.out, None, None, scale,
+                                0, 0.0, 16, 1)
+
+
+def compiled(sources: Sequence[Path]) -> dict[str, ModuleType]:
+    """The current kernel ("current") and one module per other source file (by file stem)."""
+    from cpu_impl import build
+    from paged_kernels import cpp_build
+    flags = build.compile_flags(build.cpu_flags())
+    mods = {"current": build.load()}
+    for src in sources:
+        mods[src.stem] = cpp_build.load(src, "pk_cpu_ab_" + src.stem, flags, src.stem)
+    return mods
+
+
+def ab_decode_ms(mods: dict[str, ModuleType], case: EngineDecode,
+                 rounds: int = 12) -> dict[tuple[str, bool], float]:
+    """Median thread-CPU ms of `case.step` per (module name, warm), the modules in turn."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times: dict[tuple[str, bool], list[float]] = {(n, w): [] for n in mods for w in (False, True)}
+    try:
+        for _ in range(rounds):
+            for name, warm in times:
+                start = time.thread_time()
+                case.step(mods[name], warm)
+                times[name, warm].append(time.thread_time() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return {key: 1e3 * statistics.median(t) for key, t in times.items()}
+
+
+def ab_prefill_ms(mods: dict[str, ModuleType], seqs: int = 5, length: int = 256,
+                  rounds: int = 5) -> dict[str, float]:
+    """Median thread-CPU ms of one causal varlen prefill call (`seqs` x `length`), 1 thread."""
+    p = make_problem(seqs, length, length, dtype=torch.bfloat16, device="cpu", **HEADS)
+    out = torch.empty_like(p.query)
+    scale = HEADS["head_size"] ** -0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times: dict[str, list[float]] = {n: [] for n in mods}
+    try:
+        for _ in range(rounds):
+            for name, ext in mods.items():
+                start = time.thread_time()
+                ext.paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables,
+                                    p.seq_lens, p.cu_seqlens_q, out, None, None, scale, 0, 0.0,
+                                    16, 1)
+                times[name].append(time.thread_time() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return {n: 1e3 * statistics.median(t) for n, t in times.items()}
+
+
+@pytest.mark.skipif("cpu" not in available_backends(), reason="cpu backend unavailable")
+def test_engine_decode_case_matches_the_api() -> None:
+    """The A/B harness calls the extension as the backend does: its output equals
+    `paged_attention(..., backend="cpu")` on the same inputs, and every timing is there."""
+    case = EngineDecode(batch=3, context=40, layers=2)
+    mods = compiled([])
+    case.step(mods["current"], warm=True)  # the last layer's output stays in case.out
+    k, v = case.kv.device_caches[-1]
+    want = paged_attention(case.queries[-1], k, v, case.tables, case.lens, backend="cpu")
+    assert torch.equal(case.out, want)
+    ms = ab_decode_ms(mods, case, rounds=1)
+    assert set(ms) == {("current", False), ("current", True)} and min(ms.values()) > 0
+
+
+def print_ab(sources: Sequence[Path]) -> None:
+    mods = compiled(sources)
+    case = EngineDecode()
+    decode = ab_decode_ms(mods, case)
+    prefill = ab_prefill_ms(mods)
+    print("| kernel | decode 16x320, 30 layers, ms a step | with warm_blocks | prefill 5x256 ms |")
+    print("| --- | --- | --- | --- |")
+    for name in mods:
+        print(f"| {name} | {decode[name, False]:.2f} | {decode[name, True]:.2f} | "
+              f"{prefill[name]:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", nargs="+", type=Path, metavar="SOURCE",
+                        help="paged_attention.cpp versions to A/B against the current one")
+    args = parser.parse_args()
+    if args.against:
+        print_ab(args.against)
+        return
     print("| shape (bf16) | threads | cpu ms: fastest / median | reference ms: fastest / median "
           "| speed-up (fastest) |")
     print("| --- | --- | --- | --- | --- |")
@@ -74,3 +210,7 @@ if __name__ == "__main__":
             r = ms_per_call(name, "reference", n, torch.bfloat16)
             print(f"| {name} | {n} | {c[0]:.3f} / {c[1]:.3f} | {r[0]:.2f} / {r[1]:.2f} | "
                   f"{r[0] / c[0]:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
