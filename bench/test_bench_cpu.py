@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Sequence
 
 import pytest
 import torch
@@ -136,10 +136,10 @@ def ab_decode_ms(mods: dict[str, ModuleType], case: EngineDecode,
     times: dict[tuple[str, bool], list[float]] = {(n, w): [] for n in mods for w in (False, True)}
     try:
         for _ in range(rounds):
-            for name, warm in times:
+            for (name, warm), taken in times.items():
                 start = time.thread_time()
                 case.step(mods[name], warm)
-                times[name, warm].append(time.thread_time() - start)
+                taken.append(time.thread_time() - start)
     finally:
         torch.set_num_threads(previous)
     return {key: 1e3 * statistics.median(t) for key, t in times.items()}
