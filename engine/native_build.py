@@ -39,8 +39,7 @@ _QTYPES = {"Q4_1": 0, "Q8_0": 1}
 _INT8_SIMD = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
               "avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16", "fma": "-mfma",
               "f16c": "-mf16c"}
-_kernels: dict[tuple[str, ...], "QuantKernel"] = {}
-_int8_kernels: dict[tuple[str, ...], "Int8Kernel"] = {}
+
 
 
 class QuantKernel:
@@ -82,12 +81,18 @@ def load_quant(cflags: list[str] | None = None) -> QuantKernel:
     """The quantized-matmul kernel built with `cflags` (default: this CPU's `compile_flags`),
     compiled once per machine and flag set. Tests pass `compile_flags(frozenset())` for the
     portable build. Raises BuildFailed when the compile fails."""
-    if cflags is None:
-        cflags = compile_flags(cpu_flags())
-    key = tuple(cflags)
+    return _load(QuantKernel, SOURCE, "engine_quant", "engine quantized matmul",
+                 compile_flags(cpu_flags()) if cflags is None else cflags)
+
+
+_kernels: dict[tuple[str, ...], object] = {}
+
+
+def _load(kind: type, source: Path, prefix: str, what: str, cflags: list[str]):
+    """`kind(library)` for `source` built with `cflags`, once per process and flag set."""
+    key = (str(source), *cflags)
     if key not in _kernels:
-        _kernels[key] = QuantKernel(load_library(SOURCE, "engine_quant", cflags,
-                                                 "engine quantized matmul"))
+        _kernels[key] = kind(load_library(source, prefix, cflags, what))
     return _kernels[key]
 
 
@@ -164,10 +169,5 @@ def int8_compile_flags(flags: frozenset[str]) -> list[str]:
 def load_int8(cflags: list[str] | None = None) -> Int8Kernel:
     """The int8 kernel built with `cflags` (default: this CPU's `int8_compile_flags`), compiled
     once per machine and flag set. Raises BuildFailed when the compile fails."""
-    if cflags is None:
-        cflags = int8_compile_flags(cpu_flags())
-    key = tuple(cflags)
-    if key not in _int8_kernels:
-        _int8_kernels[key] = Int8Kernel(load_library(INT8_SOURCE, "engine_int8", cflags,
-                                                     "engine int8 matmul"))
-    return _int8_kernels[key]
+    return _load(Int8Kernel, INT8_SOURCE, "engine_int8", "engine int8 matmul",
+                 int8_compile_flags(cpu_flags()) if cflags is None else cflags)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 
 from engine.config import QUANTIZATION_MODES
-from engine.model.quant_int8 import Int8Weight, pack_int8
+from engine.model.quant_int8 import X_DTYPES, Int8Weight, bad_x, pack_int8
 
 if TYPE_CHECKING:
     from engine.native_build import QuantKernel
@@ -84,21 +84,11 @@ def quantized_linear(x: torch.Tensor, blocks: GGUFBlocks,
     bfloat16 rounded to nearest even once at the end. Runs on torch's thread count; the result
     does not depend on it. `kernel`: a build of the kernel (tests pass the portable one); default
     this machine's."""
-    if x.dim() != 2 or x.shape[1] != blocks.cols or x.dtype not in _X_DTYPES or not x.is_cpu:
-        raise _bad_x(x, blocks)  # one combined test: this runs ~120 times per decode step
+    if x.dim() != 2 or x.shape[1] != blocks.cols or x.dtype not in X_DTYPES or not x.is_cpu:
+        raise bad_x(x, blocks.cols)  # one combined test: this runs ~120 times per decode step
     if kernel is None:
         kernel = _extension if _extension is not None else _kernel()
     return kernel.matmul(x.contiguous(), blocks, torch.get_num_threads())
-
-
-_X_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _bad_x(x: torch.Tensor, blocks: GGUFBlocks) -> ValueError:
-    if x.dim() != 2 or x.shape[1] != blocks.cols:
-        return ValueError(f"x: expected a [M, {blocks.cols}] tensor, got {tuple(x.shape)}")
-    return ValueError(f"x: expected a float32 or bfloat16 CPU tensor, got {x.dtype} on "
-                      f"{x.device}")
 
 
 class QuantizedWeight:

@@ -53,18 +53,20 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight,
     block of 32 and W the file's exact weights; returns `[M, rows]` in x's dtype (bfloat16
     rounded to nearest even once). Runs on torch's thread count; the result does not depend
     on it."""
-    if x.dim() != 2 or x.shape[1] != weight.cols or x.dtype not in _X_DTYPES or not x.is_cpu:
-        raise _bad_x(x, weight)  # one combined test: this runs ~120 times per decode step
+    if x.dim() != 2 or x.shape[1] != weight.cols or x.dtype not in X_DTYPES or not x.is_cpu:
+        raise bad_x(x, weight.cols)  # one combined test: this runs ~120 times per decode step
     return _resolve(kernel).linear(x.contiguous(), weight.packed, weight.qtype, weight.rows,
                                    torch.get_num_threads())
 
 
-_X_DTYPES = (torch.float32, torch.bfloat16)
+#: The activation dtypes of both GGUF kernels (this one and engine/model/quant.py's).
+X_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _bad_x(x: torch.Tensor, weight: Int8Weight) -> ValueError:
-    if x.dim() != 2 or x.shape[1] != weight.cols:
-        return ValueError(f"x: expected a [M, {weight.cols}] tensor, got {tuple(x.shape)}")
+def bad_x(x: torch.Tensor, cols: int) -> ValueError:
+    """The error for an activation `x` that is not a `[M, cols]` float32/bfloat16 CPU tensor."""
+    if x.dim() != 2 or x.shape[1] != cols:
+        return ValueError(f"x: expected a [M, {cols}] tensor, got {tuple(x.shape)}")
     return ValueError(f"x: expected a float32 or bfloat16 CPU tensor, got {x.dtype} on "
                       f"{x.device}")
 
