@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,9 +42,32 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 
 def extension_name(prefix: str, source: Path, cflags: list[str]) -> str:
-    """`prefix` plus a digest of the source text and the flags (the build cache's key)."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
-    return f"{prefix}_{digest}"
+    """`prefix` plus a digest of the source text, of every local header it includes (`#include
+    "..."`, found next to the file that includes it, followed recursively) and of the flags: the
+    build cache's key, so that editing a shared header rebuilds every library that uses it."""
+    digest = hashlib.sha256()
+    for path in [source, *local_headers(source)]:
+        digest.update(path.read_bytes())
+    digest.update(" ".join(cflags).encode())
+    return f"{prefix}_{digest.hexdigest()[:12]}"
+
+
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def local_headers(source: Path) -> list[Path]:
+    """The existing files that `source` includes with quotes, directly or through each other,
+    in the order first met (each once)."""
+    found: list[Path] = []
+    todo = [source]
+    while todo:
+        current = todo.pop(0)
+        for name in _LOCAL_INCLUDE.findall(current.read_bytes()):
+            path = (current.parent / name.decode()).resolve()
+            if path.is_file() and path not in found and path != source.resolve():
+                found.append(path)
+                todo.append(path)
+    return found
 
 
 def load(source: Path, prefix: str, cflags: list[str], what: str) -> ModuleType:

@@ -33,6 +33,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "gguf_scalars.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__) && defined(__F16C__)
 #define QM_SIMD 1
 #include <immintrin.h>
@@ -52,42 +54,10 @@ constexpr bool BF16_DOT = true;  // this build has q4_1_feature_bf16
 constexpr bool BF16_DOT = false;
 #endif
 
-// --- float16 -> float32 (portable; exact for every f16 value) -----------------------------------
-
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);  // inf / nan
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    int e = -1;
-    do { mant <<= 1; ++e; } while (!(mant & 0x400u));
-    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
-
-inline float bf16_to_f32(uint16_t h) {  // exact: bf16 is the top half of a float32
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN -> 0x7FC0 (torch's rule)
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+using gguf_scalars::bf16_to_f32;
+using gguf_scalars::f16_to_f32;
+using gguf_scalars::f32_to_bf16;
+using gguf_scalars::load_u16;
 
 // --- formats: scalar dequantisation (portable path and oracle-free reference of the SIMD one) --
 
