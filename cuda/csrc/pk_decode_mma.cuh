@@ -279,32 +279,7 @@ pk_decode_mma_kernel(const PkAttnParams p) {
         s[nt][c] = x;
         tile_max[hr] = fmaxf(tile_max[hr], x);
       }
-    float alpha[2];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const float m_new = fmaxf(m[hr], pk_group_max<4>(tile_max[hr]));
-      alpha[hr] = m_new == -INFINITY ? 1.f : exp2f(m[hr] - m_new);
-      m[hr] = m_new;
-      l[hr] *= alpha[hr];
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float mm = m[c / 2];
-        const float e = mm == -INFINITY ? 0.f : exp2f(s[nt][c] - mm);
-        s[nt][c] = e;
-        l[c / 2] += e;
-      }
-    // Rescale O only when some row's max moved (after the first tiles it rarely does; skipping
-    // a multiplication by exactly 1 changes nothing).
-    if (!__all_sync(PK_FULL_MASK, alpha[0] == 1.f && alpha[1] == 1.f)) {
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0];
-        o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
-      }
-    }
+    pk_online_softmax_step(s, tile_max, m, l, o);
 
     // O += P V: P's accumulator fragments are the A operand; V's through ldmatrix.trans.
     uint32_t a[4];

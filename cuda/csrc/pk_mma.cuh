@@ -24,6 +24,7 @@
 //   plain:  M_i[g][2t], M_i[g][2t+1]      (the layout of an a[] or b[] register above)
 //   .trans: M_i[2t][g], M_i[2t+1][g]      (so a row-major V tile gives P*V's b[] registers)
 #pragma once
+#include "pk_common.cuh"
 #include "pk_platform.cuh"
 
 #if !defined(PK_HOST_EMULATION)
@@ -76,3 +77,40 @@ template <> struct PkMma<__nv_bfloat16> {
     pk_mma_m16n8k16_bf16(d, a, b, c);
   }
 };
+
+// One step of the online softmax, in base 2, on a warp's m16n8 accumulator fragments: a lane
+// holds entries of rows g and g + 8 (index c / 2) of NT score tiles s, already scaled, capped and
+// masked (-inf); tile_max[hr] is the lane's largest entry of row hr in this tile. The four lanes
+// of a quad share a row, so the running max m and sum l are reduced over the quad. s becomes
+// exp2(s - m) (0 while a row has seen only masked keys) and l gains its sum; the accumulators o
+// (DT fragments) are rescaled by exp2(m_old - m_new), skipped by the whole warp when no row's
+// max moved (after the first tiles it rarely does; multiplying by exactly 1 changes nothing).
+template <int NT, int DT>
+__device__ __forceinline__ void pk_online_softmax_step(float (&s)[NT][4], const float tile_max[2],
+                                                       float m[2], float l[2],
+                                                       float (&o)[DT][4]) {
+  float alpha[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const float m_new = fmaxf(m[hr], pk_group_max<4>(tile_max[hr]));
+    alpha[hr] = m_new == -INFINITY ? 1.f : exp2f(m[hr] - m_new);
+    m[hr] = m_new;
+    l[hr] *= alpha[hr];
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float mm = m[c / 2];
+      const float e = mm == -INFINITY ? 0.f : exp2f(s[nt][c] - mm);
+      s[nt][c] = e;
+      l[c / 2] += e;
+    }
+  if (!__all_sync(PK_FULL_MASK, alpha[0] == 1.f && alpha[1] == 1.f)) {
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0];
+      o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
+    }
+  }
+}
