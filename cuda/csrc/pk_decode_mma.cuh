@@ -195,10 +195,7 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   for (int s = 0; s < stages - 1; ++s) issue_tile(s, s);
 
   // The Q fragments of k-slice kk.
-  auto load_q = [&](int kk, uint32_t (&frag)[4]) {
-    const int i = lane / 8, rr = lane % 8;
-    pk_ldmatrix_x4(frag, qs + (rr + 8 * (i & 1)) * DP + kk * 16 + 8 * (i >> 1));
-  };
+  auto load_q = [&](int kk, uint32_t (&frag)[4]) { pk_ldmatrix_a(frag, qs, DP, kk * 16, lane); };
   uint32_t qa[Q_IN_REGS ? KS : 1][4];
   if constexpr (Q_IN_REGS) {
 #pragma unroll
@@ -245,13 +242,12 @@ pk_decode_mma_kernel(const PkAttnParams p) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[nt][c] = s_odd[nt][c] = 0.f;
     {
-      const int i = lane / 8, rr = lane % 8;
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
         if constexpr (!Q_IN_REGS) load_q(kk, qa[0]);
         const uint32_t* a = qa[Q_IN_REGS ? kk : 0];
         uint32_t b[4];  // b[0..1]: keys 0-7, b[2..3]: keys 8-15
-        pk_ldmatrix_x4(b, kt + (rr + 8 * (i >> 1)) * DP + kk * 16 + 8 * (i & 1));
+        pk_ldmatrix_b(b, kt, DP, kk * 16, lane);
         float (&acc)[2][4] = kk % PARITIES == 0 ? s : s_odd;
         PkMma<T>::run(acc[0], a, b, acc[0]);
         PkMma<T>::run(acc[1], a, b + 2, acc[1]);
@@ -288,11 +284,10 @@ pk_decode_mma_kernel(const PkAttnParams p) {
     a[2] = pk_pack2<T>(s[1][0], s[1][1]);
     a[3] = pk_pack2<T>(s[1][2], s[1][3]);
     {
-      const int i = lane / 8, rr = lane % 8;
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
         uint32_t b[4];  // b[0..1]: n-tile 2dp, b[2..3]: n-tile 2dp + 1
-        pk_ldmatrix_x4_trans(b, vt + (rr + 8 * (i & 1)) * DP + (2 * dp + (i >> 1)) * 8);
+        pk_ldmatrix_b_trans(b, vt, DP, dp * 16, lane);
         PkMma<T>::run(o[2 * dp], a, b, o[2 * dp]);
         PkMma<T>::run(o[2 * dp + 1], a, b + 2, o[2 * dp + 1]);
       }

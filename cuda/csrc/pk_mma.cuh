@@ -78,6 +78,35 @@ template <> struct PkMma<__nv_bfloat16> {
   }
 };
 
+// ldmatrix.x4 loads of mma.m16n8k16 operands from a row-major shared-memory tile with leading
+// dimension `ld` elements: each lane gives the address of one 16-byte row, and the four 8 x 8
+// matrices come back in the register order the operands need (lane = the thread's lane).
+// A: rows 0-15, columns k0..k0+15 of `tile` (Q).
+template <typename T>
+__device__ __forceinline__ void pk_ldmatrix_a(uint32_t r[4], const T* tile, int ld, int k0,
+                                              int lane) {
+  const int i = lane / 8, rr = lane % 8;
+  pk_ldmatrix_x4(r, tile + (rr + 8 * (i & 1)) * ld + k0 + 8 * (i >> 1));
+}
+
+// B of two n8 tiles from a [n][k] tile (K rows): columns k0..k0+15 of rows 0-7 in r[0..1] and
+// of rows 8-15 in r[2..3].
+template <typename T>
+__device__ __forceinline__ void pk_ldmatrix_b(uint32_t r[4], const T* tile, int ld, int k0,
+                                              int lane) {
+  const int i = lane / 8, rr = lane % 8;
+  pk_ldmatrix_x4(r, tile + (rr + 8 * (i >> 1)) * ld + k0 + 8 * (i & 1));
+}
+
+// B of two n8 tiles from a [k][n] tile (V rows, transposed by the load): rows 0-15, columns
+// n0..n0+7 in r[0..1] and n0+8..n0+15 in r[2..3].
+template <typename T>
+__device__ __forceinline__ void pk_ldmatrix_b_trans(uint32_t r[4], const T* tile, int ld, int n0,
+                                                    int lane) {
+  const int i = lane / 8, rr = lane % 8;
+  pk_ldmatrix_x4_trans(r, tile + (rr + 8 * (i & 1)) * ld + n0 + 8 * (i >> 1));
+}
+
 // One step of the online softmax, in base 2, on a warp's m16n8 accumulator fragments: a lane
 // holds entries of rows g and g + 8 (index c / 2) of NT score tiles s, already scaled, capped and
 // masked (-inf); tile_max[hr] is the lane's largest entry of row hr in this tile. The four lanes

@@ -204,8 +204,7 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
   __syncthreads();  // Q is stored
 
   auto load_q = [&](int kk, uint32_t (&frag)[4]) {
-    const int i = lane / 8, rr = lane % 8;
-    pk_ldmatrix_x4(frag, qs + (warp * 16 + rr + 8 * (i & 1)) * DP + kk * 16 + 8 * (i >> 1));
+    pk_ldmatrix_a(frag, qs + warp * 16 * DP, DP, kk * 16, lane);
   };
   uint32_t qa[Q_IN_REGS ? KS : 1][4];
   if constexpr (Q_IN_REGS) {
@@ -242,7 +241,6 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
     {
-      const int i = lane / 8, rr = lane % 8;
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
         if constexpr (!Q_IN_REGS) load_q(kk, qa[0]);
@@ -250,7 +248,7 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
 #pragma unroll
         for (int kg = 0; kg < NT / 2; ++kg) {
           uint32_t b[4];  // b[0..1]: keys 16kg..16kg+7, b[2..3]: 16kg+8..16kg+15
-          pk_ldmatrix_x4(b, kt + (kg * 16 + rr + 8 * (i >> 1)) * DP + kk * 16 + 8 * (i & 1));
+          pk_ldmatrix_b(b, kt + kg * 16 * DP, DP, kk * 16, lane);
           PkMma<T>::run(s[2 * kg], a, b, s[2 * kg]);
           PkMma<T>::run(s[2 * kg + 1], a, b + 2, s[2 * kg + 1]);
         }
@@ -279,7 +277,6 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
 
     // O += P V: P's accumulator fragments are the A operand; V's through ldmatrix.trans.
     {
-      const int i = lane / 8, rr = lane % 8;
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
         uint32_t a[4];
@@ -290,7 +287,7 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
 #pragma unroll
         for (int dp = 0; dp < DT / 2; ++dp) {
           uint32_t b[4];  // b[0..1]: n-tile 2dp, b[2..3]: n-tile 2dp + 1
-          pk_ldmatrix_x4_trans(b, vt + (kk * 16 + rr + 8 * (i & 1)) * DP + (2 * dp + (i >> 1)) * 8);
+          pk_ldmatrix_b_trans(b, vt + kk * 16 * DP, DP, dp * 16, lane);
           PkMma<T>::run(o[2 * dp], a, b, o[2 * dp]);
           PkMma<T>::run(o[2 * dp + 1], a, b + 2, o[2 * dp + 1]);
         }
