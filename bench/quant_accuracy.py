@@ -27,6 +27,8 @@ PROMPTS = ["The capital of France is",
 
 
 def transformers_model() -> torch.nn.Module:
+    """Hugging Face transformers' Llama loaded from the engine's default GGUF file, in float32:
+    the engine's independent oracle (also the tests' `hf_default_model`)."""
     import transformers
 
     from engine.model.loader import default_model_path
@@ -34,6 +36,20 @@ def transformers_model() -> torch.nn.Module:
     path = default_model_path()
     return transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+
+
+def transformers_greedy(hf: torch.nn.Module, prompts: list[list[int]], counts: list[int]
+                        ) -> list[list[int]]:
+    """transformers' greedy continuation (the token ids after the prompt) of each prompt,
+    `counts[i]` new tokens for prompt i."""
+    outs = []
+    for ids, n in zip(prompts, counts, strict=True):
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                              dtype=torch.long), max_new_tokens=n, do_sample=False,
+                              pad_token_id=0)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
 
 
 def engine_tokens(dtype: str, quantization: str, prompts: list[list[int]], n: int
@@ -67,18 +83,14 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
-    from engine.model.loader import load_model
+    from engine.model.gguf_reader import gguf_metadata, open_gguf
+    from engine.model.loader import default_model_path
+    from engine.tokenizer import Tokenizer
 
-    tokenizer = load_model(None, quantization="none").tokenizer
+    tokenizer = Tokenizer.from_gguf_metadata(gguf_metadata(open_gguf(default_model_path())))
     prompts = [tokenizer.encode(t) for t in PROMPTS]
     hf = transformers_model()
-    hf_tokens = []
-    for ids in prompts:
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                              dtype=torch.long), max_new_tokens=args.tokens, do_sample=False,
-                              pad_token_id=0)
-        hf_tokens.append(gen[0, len(ids):].tolist())
+    hf_tokens = transformers_greedy(hf, prompts, [args.tokens] * len(prompts))
     rows = []
     print("| dtype | quantization | tokens kept per prompt | whole kept | largest gap (nats) |")
     print("|---|---|---|---|---|")

@@ -30,34 +30,23 @@ if not _has_cuda():
 def hf_default_model():
     """Hugging Face transformers' model loaded from the engine's default GGUF file, in float32:
     the engine's independent oracle. Loaded once per test session."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    import torch
-    from engine.model.loader import default_model_path
+    from bench.quant_accuracy import transformers_model
 
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return model.eval()
+    return transformers_model()
 
 
 @pytest.fixture(scope="session")
 def hf_greedy_continuations(hf_default_model):
     """`fn(prompts, max_new_tokens)`: transformers' greedy continuation (the token ids after the
     prompt) of each prompt's token ids; `max_new_tokens` is one int or one per prompt."""
-    import torch
+    from bench.quant_accuracy import transformers_greedy
 
     def continuations(prompts, max_new_tokens):
         counts = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
                   else list(max_new_tokens))
-        outs = []
-        for ids, n in zip(prompts, counts, strict=True):
-            with torch.no_grad():
-                gen = hf_default_model.generate(
-                    torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    max_new_tokens=n, do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(ids):].tolist())
-        return outs
+        return transformers_greedy(hf_default_model, prompts, counts)
 
     return continuations
 

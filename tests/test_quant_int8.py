@@ -211,6 +211,7 @@ def test_engine_picks_only_transformers_near_ties(hf_default_model, monkeypatch)
     context or within NEAR_TIE nats of it, and most prompts keep transformers' whole greedy
     continuation. A wrong weight, scale or row would pick tokens transformers rates far lower."""
     import engine.model.llama as llama
+    from bench.quant_accuracy import gaps
     from engine import LLM, SamplingParams
     from engine.model.loader import load_model
 
@@ -233,11 +234,7 @@ def test_engine_picks_only_transformers_near_ties(hf_default_model, monkeypatch)
     assert calls
     kept = 0
     for ids, out in zip(prompts, outs):
-        tokens = out.outputs[0].token_ids
-        with torch.no_grad():
-            logits = hf_default_model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1]
-        logp = logits.double().log_softmax(-1)
-        gaps = logp.max(-1).values - logp[torch.arange(len(tokens)), torch.tensor(tokens)]
-        assert float(gaps.max()) <= NEAR_TIE, (TEXTS[prompts.index(ids)], gaps.tolist())
-        kept += bool((gaps == 0).all())
+        gap = gaps(hf_default_model, ids, out.outputs[0].token_ids)
+        assert max(gap) <= NEAR_TIE, (TEXTS[prompts.index(ids)], gap)
+        kept += all(g == 0 for g in gap)
     assert kept >= len(prompts) // 2 - 1, f"only {kept} of {len(prompts)} continuations kept"
