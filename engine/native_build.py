@@ -39,7 +39,16 @@ _QTYPES = {"Q4_1": 0, "Q8_0": 1}
 _INT8_SIMD = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
               "avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16", "fma": "-mfma",
               "f16c": "-mf16c"}
+#: The kernels built in this process, per (source, flags).
+_kernels: dict[tuple[str, ...], object] = {}
 
+
+def _load(kind: type, source: Path, prefix: str, what: str, cflags: list[str]):
+    """`kind(library)` for `source` built with `cflags`, once per process and flag set."""
+    key = (str(source), *cflags)
+    if key not in _kernels:
+        _kernels[key] = kind(load_library(source, prefix, cflags, what))
+    return _kernels[key]
 
 
 class QuantKernel:
@@ -83,17 +92,6 @@ def load_quant(cflags: list[str] | None = None) -> QuantKernel:
     portable build. Raises BuildFailed when the compile fails."""
     return _load(QuantKernel, SOURCE, "engine_quant", "engine quantized matmul",
                  compile_flags(cpu_flags()) if cflags is None else cflags)
-
-
-_kernels: dict[tuple[str, ...], object] = {}
-
-
-def _load(kind: type, source: Path, prefix: str, what: str, cflags: list[str]):
-    """`kind(library)` for `source` built with `cflags`, once per process and flag set."""
-    key = (str(source), *cflags)
-    if key not in _kernels:
-        _kernels[key] = kind(load_library(source, prefix, cflags, what))
-    return _kernels[key]
 
 
 class Int8Kernel:
@@ -140,7 +138,8 @@ class Int8Kernel:
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, qtype: str, rows: int,
                threads: int) -> torch.Tensor:
-        """`quantize` then `matmul` in one call: `[M, rows]` in x's dtype for contiguous `x`."""
+        """`x @ W.T` for contiguous `x` `[M, K]` quantized as `quantize` does (inside the same
+        C call), W the `packed` tiles of `rows` features: `[M, rows]` in x's dtype."""
         y = torch.empty(x.shape[0], rows, dtype=x.dtype)
         failed = self._linear(x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(),
                               _QTYPES[qtype], y.data_ptr(), x.shape[0], rows, x.shape[1],

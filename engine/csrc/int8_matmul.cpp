@@ -84,6 +84,8 @@ inline uint16_t f32_to_f16_exact(float f) {
   return static_cast<uint16_t>(sign | ((mant | 0x800000u) >> (-exp - 14 + 13)));  // subnormal
 }
 
+inline int64_t tile_block_bytes(int qtype) { return qtype == 0 ? Q4_TB : Q8_TB; }
+
 // --- packing -------------------------------------------------------------------------------------
 
 // q (unsigned, as the kernel uses it) of weight (n, 32 b + j) from the file's block bytes.
@@ -95,9 +97,9 @@ inline uint8_t file_q(const uint8_t* blk, int qtype, int j) {
 void pack_tile_block(const uint8_t* blocks, int qtype, int64_t N, int64_t nb, int64_t t,
                      int64_t b, uint8_t* out) {
   const int block_bytes = qtype == 0 ? 20 : 34;
-  const int vectors = qtype == 0 ? 4 : 8;
-  std::memset(out, 0, qtype == 0 ? Q4_TB : Q8_TB);
-  uint16_t* scales = reinterpret_cast<uint16_t*>(out + vectors * 64);
+  const int64_t tb = tile_block_bytes(qtype);
+  std::memset(out, 0, tb);
+  uint16_t* scales = reinterpret_cast<uint16_t*>(out + tb - SCALE_BYTES);
   for (int j = 0; j < TILE; ++j) {
     const int64_t n = t * TILE + j;
     if (n >= N) break;  // padding features: q = d = m = 0
@@ -183,8 +185,6 @@ struct Problem {
   int64_t M, N, K, nb;
   int qtype;            // 0 Q4_1, 1 Q8_0
 };
-
-inline int64_t tile_block_bytes(int qtype) { return qtype == 0 ? Q4_TB : Q8_TB; }
 
 // Portable: rows m0..m0+mt of tile t, scalar, same arithmetic (int32 block sums, float32 rest).
 void tile_portable(const Problem& p, int64_t t, int64_t m0, int64_t mt) {
