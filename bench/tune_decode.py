@@ -21,12 +21,12 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
-from bench import kernels
+from bench import kernels, tune_verdict
 from bench.ceilings import copy_bandwidth
 from cuda.paged_cuda import ops
 
@@ -126,8 +126,10 @@ def measure_variant(text: str, shape: kernels.Shape, copy_gbps: float, repeat: i
             "TFLOP/s": prepared.flops / seconds / 1e12, "rel_err_vs_sdpa": err}
 
 
-def run(variants: Sequence[str], shapes: Sequence[kernels.Shape], repeat: int) -> list[dict]:
-    """Every variant (and SDPA) at every shape; adds `x_sdpa`, the time over SDPA's."""
+def run(variants: Sequence[str], shapes: Sequence[kernels.Shape], repeat: int,
+        on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every variant (and SDPA) at every shape; adds `x_sdpa`, the time over SDPA's. Each row is
+    printed, and passed to `on_row` as soon as it is timed."""
     copy_gbps = copy_bandwidth("cuda")["copy_GBps"]
     rows = []
     for shape in shapes:
@@ -138,6 +140,8 @@ def run(variants: Sequence[str], shapes: Sequence[kernels.Shape], repeat: int) -
                 row["x_sdpa"] = row["us"] / base["us"]
             rows.append(row)
             print(format_row(row), flush=True)
+            if on_row is not None:
+                on_row(row)
     return rows
 
 
@@ -205,11 +209,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("needs a CUDA device (launch choices only matter on a GPU)")
     print(f"{'variant':<44} {'batch':>5} {'ctx':>6} {'q':>5} {'graph us':>9} {'%copy':>6} "
           f"{'TFLOP/s':>7} {'xSDPA':>6} {'err':>8}", flush=True)
-    rows = run(args.variants, decode, args.repeat) + run(args.prefill_variants, prefill,
-                                                         args.repeat)
-    print("\n".join(["", "fastest cuda variant per shape:", *cuda_summary(rows)]), flush=True)
-    if args.out is not None:
-        args.out.write_text(json.dumps(rows, indent=1))
+    done: list[dict] = []
+
+    def keep(row: dict) -> None:  # rewritten per row: a run cut short keeps what it timed
+        done.append(row)
+        if args.out is not None:
+            args.out.write_text(json.dumps(done, indent=1))
+
+    rows = run(args.variants, decode, args.repeat, keep) + run(args.prefill_variants, prefill,
+                                                               args.repeat, keep)
+    decided = tune_verdict.verdict(rows)
+    print("\n".join(["", "fastest cuda variant per shape:", *cuda_summary(rows), "",
+                     *decided["why"], *decided["alarms"],
+                     *tune_verdict.summary_lines(decided)]), flush=True)
     return 0
 
 

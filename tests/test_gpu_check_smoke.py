@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import tune_verdict
+from bench.gpu_check import report, tuning
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,6 +27,32 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert (tmp_path / "kernels.json").exists()
     last = (tmp_path / "report.md").read_text().rstrip().splitlines()[-3:]
     assert last[-1] == "```" and all(len(line) <= 80 for line in last)
+    # every planner setting tune_decode times had its kernels' conformance run (cuda-host here)
+    settings = result["settings"]
+    assert len(settings) == len(tuning.planner_settings()) >= 5
+    assert all(r["rc"] == 0 and r["passed"] > 0 and not r.get("failed") for r in settings)
+    assert result["tune"] == {"skipped": "times CUDA graphs: GPU only"}
+    # at most 8 files come back from a device call
+    assert len([f for f in tmp_path.iterdir()]) <= 8 - 2  # + build.log and tune.log on a GPU
+
+
+def test_report_of_a_cut_run_renders_and_ends_with_the_rule():
+    """A run stopped after any step still renders; with tune rows, the rule's lines close the
+    report's summary (the part a device call's reply shows)."""
+    result = {"mode": "gpu", "env": {"device": "H200", "date_utc": "now", "python": "3",
+                                     "torch": "2", "triton": "3", "cupy": "-", "numpy": "2"},
+              "seconds": 1.0}
+    assert report.markdown(result).rstrip().endswith("```")
+    row = {"kind": "decode", "batch": 32, "context": 4096, "q_len": 1, "us": 150.0,
+           "frac_copy": 0.9, "rel_err_vs_sdpa": 3e-3}
+    rows = [{**row, "variant": "cuda", "us": 160.0, "frac_copy": 0.84},
+            {**row, "variant": "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32"}]
+    result["tune"] = {"rc": 0, "seconds": 9.0, "rows": rows, "verdict": tune_verdict.verdict(rows)}
+    text = report.markdown(result)
+    last = text.rstrip().splitlines()
+    assert last[-1] == "```" and last[-5] == "rule: decode -> cuda:DECODE_TILE=32"
+    assert "85% target (b>=32, ctx>=4096): cuda 84.0%, chosen 90.0%" in last
+    assert "| cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32 | decode | 32 | 4096 | 1 | 150.0 |" in text
 
 
 def test_ptxas_summary_reads_both_log_formats():
@@ -39,3 +68,15 @@ def test_ptxas_summary_reads_both_log_formats():
     assert ptxas_summary(ptxas) == {"kernels": 2, "max_registers": 96, "kernels_spilling": 1}
     assert ptxas_summary(table) == {"kernels": 2, "max_registers": 255, "kernels_spilling": 1}
     assert ptxas_summary("") == {"kernels": 0, "max_registers": 0, "kernels_spilling": 0}
+
+
+def test_each_setting_reaches_the_planner_of_its_conformance_run(tmp_path, monkeypatch):
+    """A setting the planner refuses fails its run: the setting is in the tests' environment."""
+    import os
+    import time
+
+    monkeypatch.setattr(tuning, "planner_settings",
+                        lambda: [{"PAGED_KERNELS_CUDA_DECODE_TILE": "33"}])
+    [run] = tuning.settings_conformance(tmp_path, time.time() + 300, True, dict(os.environ))
+    assert run["setting"] == "DECODE_TILE=33" and run["rc"] == 1 and run["failed"] > 0
+    assert "===== DECODE_TILE=33 =====" in (tmp_path / "settings.log").read_text()

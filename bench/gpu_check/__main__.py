@@ -1,12 +1,16 @@
-"""`python -m bench.gpu_check OUT_DIR [--cpu-smoke]`: see the package docstring.
+"""`python -m bench.gpu_check OUT_DIR [--cpu-smoke] [--budget-s S]`: see the package docstring.
 
-Steps, each bounded in time so the whole run ends inside the budget (8 minutes on one H200):
-1. environment; 2. build the CUDA extension (else the backend compiles at run time through CuPy);
-3. the conformance suite natively, every backend; 4. bench.kernels: the device's copy bandwidth and
-matmul rate, then decode at the headline shapes (batch 1/32/128 x context 1k/4k/16k, head size
-128, 32 query heads over 8 KV heads, bf16), prefill, a mixed batch and write_kv per fast backend,
-next to SDPA on contiguous K/V; 5. FlexAttention over the paged cache; 6. report.md, report.json,
-kernels.json and the GB/s plot, the report ending in a short table.
+Steps, each bounded in time so the whole run ends inside the budget (9 minutes by default, one
+device command on one H200; the report is rewritten after every step, so a run cut short still
+leaves one): 1. environment; 2. build the CUDA extension (else the backend compiles at run time
+through CuPy); 3. the conformance suite natively, every backend; 4. bench.kernels: the device's
+copy bandwidth and matmul rate, then decode at the headline shapes (batch 1/32/128 x context
+1k/4k/16k, head size 128, 32 query heads over 8 KV heads, bf16), prefill, a mixed batch and
+write_kv per fast backend, next to SDPA on contiguous K/V; 5. FlexAttention over the paged cache;
+6. bench.tune_decode: the CUDA planner's opt-in settings timed next to the defaults, and the rule
+of bench/tune_verdict.py applied (tuning.py); 7. each of those settings' native conformance and
+the CUDA-graph custom-op test; 8. report.md, report.json, kernels.json and the GB/s plot, the
+report ending in a short table.
 """
 
 from __future__ import annotations
@@ -26,16 +30,16 @@ from pathlib import Path
 import torch
 
 from bench import kernels
-from bench.gpu_check import report
+from bench.gpu_check import report, tuning
 from bench.timing import median_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 
 FULL = {"dtype": torch.bfloat16, "quick": False, "repeat": 10,
         "flex": [(32, 1024), (32, 4096), (32, 16384)],
-        "conformance_timeout": 150, "build_timeout": 150}
+        "conformance_timeout": 150, "build_timeout": 150, "budget_s": 540}
 SMOKE = {"dtype": torch.float32, "quick": True, "repeat": 3, "flex": [],
-         "conformance_timeout": 300, "build_timeout": 0}
+         "conformance_timeout": 300, "build_timeout": 0, "budget_s": 1200}
 
 
 def environment() -> dict:
@@ -153,9 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="folder for report.md, report.json and logs")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="the same steps on the CPU at tiny sizes (CI runs this)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds the whole run may take (default: 540 on a GPU); later "
+                             "steps are cut or skipped to stay inside it")
     args = parser.parse_args(argv)
     start = time.time()
     cfg = SMOKE if args.cpu_smoke else FULL
+    deadline = start + (args.budget_s if args.budget_s is not None else cfg["budget_s"])
     device = "cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu"
     if device == "cpu" and not args.cpu_smoke:
         parser.error("no CUDA device here: use --cpu-smoke")
@@ -163,17 +171,46 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result: dict = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "env": environment()}
     print(f"[gpu_check] {result['env'].get('device')}", flush=True)
-    result["build"] = build_cuda(args.out, cfg["build_timeout"], env)
-    print(f"[gpu_check] build: {result['build']}", flush=True)
-    result["conformance"] = conformance(args.out, cfg["conformance_timeout"], args.cpu_smoke, env)
-    print(f"[gpu_check] conformance: {result['conformance']['by_backend']}", flush=True)
-    result["bench"] = measure(cfg, device, args.out)
-    result["seconds"] = round(time.time() - start, 1)
-    (args.out / "report.json").write_text(json.dumps(result, indent=1, default=str))
-    text = report.markdown(result)
-    (args.out / "report.md").write_text(text)
-    print(text)
+
+    def within(cap: float) -> int:
+        return int(max(1, min(cap, deadline - time.time())))
+
+    steps = [
+        ("build", lambda: build_cuda(args.out, within(cfg["build_timeout"])
+                                     if cfg["build_timeout"] else 0, env)),
+        ("conformance", lambda: conformance(args.out, within(cfg["conformance_timeout"]),
+                                            args.cpu_smoke, env)),
+        ("bench", lambda: measure(cfg, device, args.out)),
+        ("tune", lambda: tuning.tune(args.out, deadline - 75, args.cpu_smoke, env)),
+        ("settings", lambda: tuning.settings_conformance(args.out, deadline - 15,
+                                                         args.cpu_smoke, env)),
+        ("graph_test", lambda: tuning.graph_test(args.out, deadline, env)),
+    ]
+    for name, step in steps:
+        result[name] = step()
+        result["seconds"] = round(time.time() - start, 1)
+        print(f"[gpu_check] {name} done at {result['seconds']} s: {brief(result[name])}",
+              flush=True)
+        write_report(result, args.out)
+    print(report.markdown(result))
     return 0 if report.healthy(result) else 1
+
+
+def brief(step_result) -> str:
+    """A line about a step's result for the console (the report has the whole of it)."""
+    if isinstance(step_result, dict):
+        keep = {k: v for k, v in step_result.items() if k in
+                ("rc", "seconds", "skipped", "by_backend", "ptxas", "passed", "failed")}
+        if "verdict" in step_result:
+            keep["rows"] = len(step_result["rows"])
+        return str(keep)[:400] if keep else "done"
+    return str([brief(x) for x in step_result])[:600]
+
+
+def write_report(result: dict, out: Path) -> None:
+    """report.json and report.md from the steps run so far."""
+    (out / "report.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "report.md").write_text(report.markdown(result))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 
+from bench import tune_verdict
+
 BACKEND_ID = re.compile(r"[\[-](cuda-host|cuda|triton|reference)(?=[-\]])")
 OUTCOME = re.compile(r"(\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
                      r"|(PASSED|FAILED|SKIPPED|ERROR) (\S+::\S+)")
@@ -37,11 +39,13 @@ def ptxas_summary(log: str) -> dict:
 
 
 def healthy(result: dict) -> bool:
-    """No conformance failure, the suite finished, and the benchmarks produced timed rows."""
+    """The suite finished with no failure, the benchmarks produced timed rows, and no planner
+    setting's conformance run failed."""
     conf = result["conformance"]
     failed = any(c.get("failed") or c.get("error") for c in conf["by_backend"].values())
     timed = [r for r in result["bench"]["results"] if "seconds" in r]
-    return conf["rc"] == 0 and not failed and bool(timed)
+    settings_failed = any(r.get("failed") or r.get("error") for r in result.get("settings", []))
+    return conf["rc"] == 0 and not failed and bool(timed) and not settings_failed
 
 
 def _fmt(x, spec: str = ".3g") -> str:
@@ -98,28 +102,83 @@ def _short_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _tune_table(rows: list[dict]) -> list[str]:
+    lines = ["| variant | kind | batch | context | q_len | graph us | of copy BW | time / SDPA "
+             "| rel err vs SDPA |", "|" + " --- |" * 9]
+    for r in rows:
+        head = f"| {r['variant']} | {r['kind']} | {r['batch']} | {r['context']} | {r['q_len']} |"
+        if "us" not in r:
+            lines.append(f"{head} {r.get('error', '?')[:160]} | | | |")
+            continue
+        lines.append(f"{head} {r['us']:.1f} | {r['frac_copy']:.1%} | "
+                     f"{_fmt(r.get('x_sdpa'), '.3f')} | {_fmt(r.get('rel_err_vs_sdpa'), '.1e')} |")
+    return lines
+
+
+def _tuning_sections(result: dict) -> list[str]:
+    out = []
+    tune = result.get("tune")
+    if tune is not None:
+        out += ["## Tuning (bench.tune_decode, CUDA-graph replay)", ""]
+        if "skipped" in tune:
+            out += [f"skipped: {tune['skipped']}", ""]
+        else:
+            v = tune["verdict"]
+            out += [f"rc {tune['rc']} in {tune['seconds']} s, {len(tune['rows'])} rows (log: "
+                    "tune.log)", "", *_tune_table(tune["rows"]), "",
+                    "The rule (bench/tune_verdict.py):", "",
+                    *[f"- {line}" for line in v["why"] + v["alarms"]], ""]
+    settings = result.get("settings")
+    if settings is not None:
+        out += ["## Planner settings: native conformance (log: settings.log)", "",
+                "| setting | passed | failed | skipped | error | rc | seconds |",
+                "|" + " --- |" * 7]
+        graph = result.get("graph_test")
+        for r in settings + ([{"setting": "custom ops: CUDA graph", **graph}] if graph else []):
+            if "skipped" in r and isinstance(r["skipped"], str):
+                out.append(f"| {r['setting']} | skipped: {r['skipped']} | | | | | |")
+                continue
+            out.append(f"| {r['setting']} | {r.get('passed', 0)} | {r.get('failed', 0)} | "
+                       f"{r.get('skipped', 0)} | {r.get('error', 0)} | {r['rc']} | "
+                       f"{r['seconds']} |")
+        out.append("")
+    return out
+
+
 def markdown(result: dict) -> str:
-    env, bench = result["env"], result["bench"]
+    """The report of the steps run so far (a run cut short still renders)."""
+    env, bench = result["env"], result.get("bench")
     out = [f"# gpu_check report ({result['mode']})", "",
            f"- device: {env.get('device')}; date (UTC): {env['date_utc']}",
            "- versions: " + ", ".join(f"{k} {env[k]}" for k in
                                       ("python", "torch", "triton", "cupy", "numpy")),
-           f"- backends benchmarked: {', '.join(bench['backends'])}",
-           f"- total time: {result['seconds']} s", "", "## Build", "",
-           f"`{result['build']}`", "", "## Conformance (native)", "",
-           "| backend | passed | failed | skipped | error |", "| --- | --- | --- | --- | --- |"]
-    for name, c in result["conformance"]["by_backend"].items():
-        out.append(f"| {name} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
-                   f"{c.get('skipped', 0)} | {c.get('error', 0)} |")
-    conf = result["conformance"]
-    c = bench["ceilings"]
-    out += ["", f"pytest rc {conf['rc']} in {conf['seconds']} s; failures: "
-            f"{conf['failures'] or 'none'}", "", "## Ceilings (measured in this run)", "",
-            f"- device-to-device copy: {c['copy_GBps']:.1f} GB/s (bytes read + written)",
-            f"- matmul {c['matmul_n']}^3 {c['matmul_dtype']}: {c['matmul_TFLOPs']:.4g} TFLOP/s",
-            "", "## Kernels (best of eager and CUDA-graph replay)", "",
-            *_bench_table(bench["results"]), ""]
-    if bench.get("flex"):
-        out += ["## FlexAttention over the paged cache", "", *_bench_table(bench["flex"]), ""]
-    out += ["## Summary", "", "```", *_short_table(bench["results"]), "```"]
+           f"- backends benchmarked: {', '.join(bench['backends']) if bench else '-'}",
+           f"- total time: {result.get('seconds')} s", ""]
+    if "build" in result:
+        out += ["## Build", "", f"`{result['build']}`", ""]
+    conf = result.get("conformance")
+    if conf is not None:
+        out += ["## Conformance (native)", "",
+                "| backend | passed | failed | skipped | error |", "| --- | --- | --- | --- | --- |"]
+        for name, c in conf["by_backend"].items():
+            out.append(f"| {name} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
+                       f"{c.get('skipped', 0)} | {c.get('error', 0)} |")
+        out += ["", f"pytest rc {conf['rc']} in {conf['seconds']} s; failures: "
+                f"{conf['failures'] or 'none'}", ""]
+    if bench is not None:
+        c = bench["ceilings"]
+        out += ["## Ceilings (measured in this run)", "",
+                f"- device-to-device copy: {c['copy_GBps']:.1f} GB/s (bytes read + written)",
+                f"- matmul {c['matmul_n']}^3 {c['matmul_dtype']}: {c['matmul_TFLOPs']:.4g} "
+                "TFLOP/s", "", "## Kernels (best of eager and CUDA-graph replay)", "",
+                *_bench_table(bench["results"]), ""]
+        if bench.get("flex"):
+            out += ["## FlexAttention over the paged cache", "", *_bench_table(bench["flex"]),
+                    ""]
+    out += _tuning_sections(result)
+    summary = _short_table(bench["results"]) if bench is not None else []
+    tune = result.get("tune") or {}
+    if "verdict" in tune:
+        summary += [""] + tune_verdict.summary_lines(tune["verdict"])
+    out += ["## Summary", "", "```", *summary, "```"]
     return "\n".join(out) + "\n"

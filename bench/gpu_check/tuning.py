@@ -1,0 +1,140 @@
+"""gpu_check's tuning steps: the CUDA planner's opt-in settings checked and timed on the device,
+so one call both measures the defaults and says which settings should replace them.
+
+- `settings_conformance`: the native conformance tests of the kernels each setting changes,
+  once per setting that `bench.tune_decode` times (decode settings: the decode tests; varlen
+  settings: the others). Forced partitions are left out: they change no kernel.
+- `graph_test`: tests/test_custom_ops.py's CUDA-graph capture and replay.
+- `tune`: `python -m bench.tune_decode`, cut at its deadline with the rows timed so far kept,
+  then the rule of bench/tune_verdict.py over them.
+
+All three append to logs in OUT (`settings.log`, `tune.log`) and return JSON-ready dicts. In the
+CPU smoke run the conformance steps run the `cuda-host` backend (the kernels' own source on the
+CPU) and `tune` is skipped: it times CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import tune_verdict
+
+ROOT = Path(__file__).resolve().parents[2]
+SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
+#: What a step needs at least; with less time left before the deadline it is skipped.
+MIN_STEP_SECONDS = 15
+
+
+def planner_settings() -> list[dict[str, str]]:
+    """The distinct CUDA planner settings of tune_decode's variants, partitions left out."""
+    from bench.tune_decode import PREFILL_VARIANTS, VARIANTS, parse_variant
+
+    found: list[dict[str, str]] = []
+    for text in [*VARIANTS, *PREFILL_VARIANTS]:
+        backend, settings = parse_variant(text)
+        settings = {k: v for k, v in settings.items() if k != tune_verdict.PARTITION}
+        if backend == "cuda" and settings and settings not in found:
+            found.append(settings)
+    return found
+
+
+def selection(settings: dict[str, str], smoke: bool) -> str:
+    """The `-k` expression of the conformance tests a setting's kernels run."""
+    backend = "cuda-host" if smoke else "cuda and not host"
+    if any("DECODE" in name for name in settings):
+        return f"{backend} and (decode or long_context)"
+    return f"{backend} and not decode and not long_context"
+
+
+def outcome_counts(text: str) -> dict[str, int]:
+    """Counts from pytest's last summary line ("3 passed, 1 skipped in 2.0s")."""
+    lines = [line for line in text.splitlines() if SUMMARY.search(line)]
+    if not lines:
+        return {}
+    return {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
+            for n, kind in SUMMARY.findall(lines[-1])}
+
+
+def _remaining(deadline: float) -> float:
+    return deadline - time.time()
+
+
+def _pytest(args: list[str], extra_env: dict[str, str], log: Path, title: str,
+            timeout: float, env: dict) -> dict:
+    """Runs pytest with `extra_env`, appending its output under a title line to `log`."""
+    start = time.time()
+    with open(log, "a") as f:
+        f.write(f"\n===== {title} =====\n")
+        f.flush()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   *args], cwd=ROOT, env={**env, **extra_env}, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  timeout=timeout)
+            rc, text = proc.returncode, proc.stdout
+        except subprocess.TimeoutExpired as exc:
+            rc = 124
+            text = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else \
+                (exc.stdout or "")
+        f.write(text)
+    return {"rc": rc, "seconds": round(time.time() - start, 1), **outcome_counts(text)}
+
+
+def settings_conformance(out: Path, deadline: float, smoke: bool, env: dict) -> list[dict]:
+    """One conformance run per planner setting (see the module docstring)."""
+    results = []
+    parallel = ["-n", "8"] if not smoke and _has_xdist() else []
+    for settings in planner_settings():
+        name = ",".join(f"{k.removeprefix('PAGED_KERNELS_CUDA_')}={v}"
+                        for k, v in settings.items())
+        left = _remaining(deadline)
+        if left < MIN_STEP_SECONDS:
+            results.append({"setting": name, "skipped": "out of time"})
+            continue
+        run = _pytest(["tests/test_conformance.py", "-k", selection(settings, smoke), *parallel],
+                      settings, out / "settings.log", name, min(left, 120), env)
+        results.append({"setting": name, **run})
+    return results
+
+
+def graph_test(out: Path, deadline: float, env: dict) -> dict:
+    """The CUDA-graph capture-and-replay test of the custom ops (skipped by pytest off a GPU)."""
+    left = _remaining(deadline)
+    if left < MIN_STEP_SECONDS:
+        return {"skipped": "out of time"}
+    return _pytest(["tests/test_custom_ops.py", "-k", "cuda_graph", "-rfEs"], {},
+                   out / "settings.log", "custom ops: CUDA graph", min(left, 90), env)
+
+
+def tune(out: Path, deadline: float, smoke: bool, env: dict) -> dict:
+    """bench.tune_decode until the deadline; its rows (all, or those timed before the cut) and
+    the rule's verdict over them."""
+    if smoke:
+        return {"skipped": "times CUDA graphs: GPU only"}
+    left = _remaining(deadline)
+    if left < MIN_STEP_SECONDS:
+        return {"skipped": "out of time"}
+    rows_file = Path(tempfile.mkdtemp(prefix="pk_tune_")) / "tune.json"
+    start = time.time()
+    with open(out / "tune.log", "w") as f:
+        try:
+            rc = subprocess.run([sys.executable, "-m", "bench.tune_decode", "--out",
+                                 str(rows_file)], cwd=ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, timeout=left).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    rows = json.loads(rows_file.read_text()) if rows_file.exists() else []
+    return {"rc": rc, "seconds": round(time.time() - start, 1), "rows": rows,
+            "verdict": tune_verdict.verdict(rows)}
+
+
+def _has_xdist() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("xdist") is not None
