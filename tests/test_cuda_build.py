@@ -11,6 +11,7 @@ about a minute on 2 cores; `PAGED_KERNELS_FULL_CUDA_CHECK=1` compiles every inst
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import math
 import os
@@ -83,14 +84,15 @@ def _problem(dtype, heads: tuple[int, int], q_lens, head_size: int = 128, block_
 
 PLANNED = [(dtype, heads, q_lens) for dtype in ("float32", "float16", "bfloat16")
            for heads in ((4, 4), (8, 4), (6, 2), (8, 1), (64, 2)) for q_lens in (None, [5, 1, 9])]
-#: Every kernel choice the environment can force (decode tile, varlen kernel), and the defaults.
-FORCED = [{}, {ops.DECODE_TILE_ENV: "32"}, {ops.VARLEN_STAGES_ENV: "1"},
-          {ops.VARLEN_WARPS_ENV: "8"}]
+#: Every kernel choice the environment can force (decode tile and synchronisation, varlen
+#: kernel), and the defaults.
+FORCED = [{}, {ops.DECODE_TILE_ENV: "32"}, {ops.DECODE_SYNC_ENV: "warp"},
+          {ops.VARLEN_STAGES_ENV: "1"}, {ops.VARLEN_WARPS_ENV: "8"}]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("env", FORCED, ids=["default", "decode-tile-32", "varlen-sync",
-                                             "varlen-8-warps"])
+@pytest.mark.parametrize("env", FORCED, ids=["default", "decode-tile-32", "decode-warp-sync",
+                                             "varlen-sync", "varlen-8-warps"])
 @pytest.mark.parametrize("dtype,heads,q_lens", PLANNED)
 def test_every_launch_a_plan_makes_is_compiled(reports, monkeypatch, env, dtype, heads,
                                                q_lens) -> None:
@@ -336,6 +338,30 @@ def test_decode_mma_tile_32_halves_shared_memory(monkeypatch, head_size, blocks_
     monkeypatch.setenv(ops.DECODE_TILE_ENV, "16")
     with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_TILE: expected 64 or 32"):
         ops.mma_decode_tile()
+
+
+def test_decode_sync_is_a_run_time_choice_of_the_same_kernel(monkeypatch) -> None:
+    """PAGED_KERNELS_CUDA_DECODE_SYNC=warp sets the plan's warp_sync (packed into the params the
+    kernel reads) and changes nothing else: same instantiation, grid, threads, shared memory."""
+    import torch
+
+    problem = _problem(torch.bfloat16, (32, 8), None, head_size=128, block_size=16)
+    for tile in ("64", "32"):
+        monkeypatch.setenv(ops.DECODE_TILE_ENV, tile)
+        monkeypatch.delenv(ops.DECODE_SYNC_ENV, raising=False)
+        block = ops._plan_decode_mma(problem, num_sms=132)
+        monkeypatch.setenv(ops.DECODE_SYNC_ENV, "warp")
+        warp = ops._plan_decode_mma(problem, num_sms=132)
+        assert (block.warp_sync, warp.warp_sync) == (0, 1)
+        assert dataclasses.replace(warp, warp_sync=0) == block
+        values = ops.unpack("attn", ops.pack("attn", ops._attn_values(
+            problem, warp, problem.query, problem.key_cache, problem.value_cache, problem.out,
+            None)))
+        assert values["warp_sync"] == 1
+    monkeypatch.setenv(ops.DECODE_SYNC_ENV, "grid")
+    with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_SYNC: expected 'block' or "
+                                         "'warp', got 'grid'"):
+        ops.mma_decode_warp_sync()
 
 
 @pytest.mark.parametrize("head_size", ops.HEAD_SIZES)

@@ -103,11 +103,14 @@ def test_decode_kernels_head_and_block_sizes(monkeypatch, dtype, head_size, bloc
     check(case, dtype, sliding_window=70, soft_cap=4.0, alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("sync", ["block", "warp"])
 @pytest.mark.parametrize("stages", ["2", "3", "4"])
-def test_decode_mma_ring_depths(monkeypatch, stages):
+def test_decode_mma_ring_depths(monkeypatch, stages, sync):
     """The mma decode kernel with every K/V ring depth (PAGED_KERNELS_CUDA_DECODE_STAGES) on
-    partitions of up to 5 tiles, the last one partial."""
+    partitions of up to 5 tiles, the last one partial, with the block or each warp waiting for
+    its tiles (PAGED_KERNELS_CUDA_DECODE_SYNC)."""
     monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_STAGES", stages)
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_SYNC", sync)
     monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "320")
     case = make_case([700, 129, 64, 2], None, heads=8, kv_heads=2, head_size=64, block_size=16,
                      dtype=torch.bfloat16, seed=int(stages))
@@ -118,6 +121,7 @@ def test_decode_mma_ring_depths(monkeypatch, stages):
 OFFSET_KERNELS = {
     "decode-mma": (torch.bfloat16, 1, {}),
     "decode-mma-tile32": (torch.bfloat16, 1, {"PAGED_KERNELS_CUDA_DECODE_TILE": "32"}),
+    "decode-mma-warp-sync": (torch.bfloat16, 1, {"PAGED_KERNELS_CUDA_DECODE_SYNC": "warp"}),
     "decode-simt": (torch.float32, 1, {}),
     "varlen-async": (torch.float16, 3, {}),
     "varlen-async-8-warps": (torch.float16, 3, {"PAGED_KERNELS_CUDA_VARLEN_WARPS": "8"}),
@@ -155,13 +159,16 @@ def test_cache_offsets_past_int32(monkeypatch, kernel):
     assert rel_error(out, want) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("tile,sync", [("32", "block"), ("32", "warp"), ("64", "warp")])
 @pytest.mark.parametrize("stages", ["2", "3", "4"])
 @pytest.mark.parametrize("head_size,block_size", [(64, 16), (80, 24), (256, 8)])
-def test_decode_mma_tile_32(monkeypatch, stages, head_size, block_size):
-    """The 2-warp, 32-key-tile decode kernel (PAGED_KERNELS_CUDA_DECODE_TILE=32) at every ring
-    depth: Q in the K ring's last slot (head sizes 64, 80) or in its own region (256), partial
-    last tiles, several head chunks (a GQA group of 20), split-K, and every feature."""
-    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_TILE", "32")
+def test_decode_mma_tiles_and_syncs(monkeypatch, stages, head_size, block_size, tile, sync):
+    """The 2-warp, 32-key-tile decode kernel (PAGED_KERNELS_CUDA_DECODE_TILE=32) and the
+    warp-synchronised one (PAGED_KERNELS_CUDA_DECODE_SYNC=warp, both tiles) at every ring depth:
+    Q in the K ring's last slot (head sizes 64, 80) or in its own region (256), partial last
+    tiles, several head chunks (a GQA group of 20), split-K, and every feature."""
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_TILE", tile)
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_SYNC", sync)
     monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_STAGES", stages)
     monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "160")
     slopes = torch.tensor([2.0 ** (-(h % 8 + 1)) for h in range(20)], dtype=torch.float32)
@@ -274,13 +281,16 @@ def test_out_strided_and_only_out_written():
 # ---- synchronisation: results independent of the thread schedule ----
 
 @pytest.mark.parametrize("kind", ["decode-mma-split", "decode-mma-tile32-split",
-                                  "decode-simt-split", "varlen-mma", "varlen-mma-8-warps",
+                                  "decode-mma-warp-sync-split",
+                                  "decode-mma-tile32-warp-sync-split", "decode-simt-split", "varlen-mma", "varlen-mma-8-warps",
                                   "varlen-mma-sync", "varlen-simt"])
 def test_results_bit_identical_under_every_schedule(monkeypatch, kind):
     monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "32" if kind == "decode-simt-split"
                        else "128")
-    if kind == "decode-mma-tile32-split":
+    if "tile32" in kind:
         monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_TILE", "32")
+    if "warp-sync" in kind:
+        monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_SYNC", "warp")
     if kind == "varlen-mma-sync":
         monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_STAGES", "1")
     if kind == "varlen-mma-8-warps":

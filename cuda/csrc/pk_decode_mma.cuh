@@ -17,12 +17,18 @@
 //   operands through ldmatrix (V with .trans); an online softmax in registers in base 2 (each
 //   lane holds rows g and g + 8); at the end the warps' (m, l, O) are merged through shared
 //   memory.
+//   Synchronisation (p.warp_sync, the plan's choice: PAGED_KERNELS_CUDA_DECODE_SYNC): a warp
+//   only ever reads its own 16 rows of a tile, so either the block copies each tile together
+//   and waits at __syncthreads (0, the default), or each warp copies its own rows and waits for
+//   them alone at __syncwarp (1): no block barrier in the key loop, and the warps of a block
+//   drift apart as their loads land (the block meets again only for the merge). The copies per
+//   thread, the bytes and the shared memory are the same in both.
 //   Invariants: rows of q/k/v/out are 16-byte aligned (ops.py checks); no key at a position
 //   >= seq_len is ever read: rows past the partition are zero-filled by cp.async without a load
 //   (cache slots past seq_len may hold NaN); block-table entries past ceil(seq_len / block_size)
-//   are never read; cache offsets are int64. Each row's K/V offsets are computed once, by one
-//   thread, an iteration before its copies are issued (so issuing a copy is a shared-memory
-//   read, not a block-table walk per 16 bytes).
+//   are never read; cache offsets are int64. Each row's K/V offsets are computed once, by lane
+//   `row % 16` of the warp that owns the row, an iteration before its copies are issued (so
+//   issuing a copy is a shared-memory read, not a block-table walk per 16 bytes).
 //   Dynamic shared memory (planned in ops.py `_mma_decode_smem`): K and V rings [stages][BN][DP]
 //   (T, DP = HEAD_SIZE + 8: ldmatrix rows fall in distinct banks), the rings' row offsets
 //   [stages][BN] (PkRowOffsets), and Q [16][DP]: up to head size 128 Q lives in the K ring's
@@ -151,6 +157,10 @@ pk_decode_mma_kernel(const PkAttnParams p) {
                         block * p.v_stride_block + static_cast<int64_t>(slot) * p.v_stride_slot};
   };
 
+  // This thread's row of every tile for the offsets (lanes 0-15 of each warp: the warp's rows).
+  const int own_row = warp * 16 + lane;
+  const bool row_owner = lane < 16;
+  const bool warp_sync = p.warp_sync != 0;
   // Q rows (zeros past the group's heads), and the row offsets of tiles 0..stages-1 (one thread
   // per row), -> shared memory.
   for (int idx = threadIdx.x; idx < M * NVEC; idx += THREADS) {
@@ -161,26 +171,29 @@ pk_decode_mma_kernel(const PkAttnParams p) {
                       (r.head0 + row) * p.q_stride_head + v * VEC);
     *reinterpret_cast<uint4*>(qs + row * DP + v * VEC) = raw;
   }
-  if (threadIdx.x < BN) {
+  if (row_owner) {
     for (int t = 0; t < stages; ++t) {
       int64_t block;
       int slot;
-      locate_row(t, threadIdx.x, block, slot);
-      s_off[t * BN + threadIdx.x] = row_offsets(block, slot);
+      locate_row(t, own_row, block, slot);
+      s_off[t * BN + own_row] = row_offsets(block, slot);
     }
   }
   __syncthreads();
 
-  // Starts the copies of tile `tile` into ring slot `stage` (its row offsets are s_off[stage]),
-  // then commits (an empty group past the last tile keeps the group count uniform).
+  // Starts the copies of tile `tile` into ring slot `stage` (its row offsets are s_off[stage]):
+  // the whole tile by the block, or with warp_sync the warp's own 16 rows by the warp (the same
+  // copies per thread); then commits (an empty group past the last tile keeps the group count
+  // uniform).
   const T* kbase = static_cast<const T*>(p.k_cache) + r.kvh * p.k_stride_head;
   const T* vbase = static_cast<const T*>(p.v_cache) + r.kvh * p.v_stride_head;
   auto issue_tile = [&](int tile, int stage) {
     if (tile < num_tiles) {
-      static_assert(BN * NVEC % THREADS == 0, "whole passes over the tile");
+      static_assert(16 * NVEC % 32 == 0, "whole passes over a warp's rows (D % 16 == 0)");
 #pragma unroll 2
-      for (int it = 0; it < BN * NVEC / THREADS; ++it) {
-        const int idx = it * THREADS + threadIdx.x;
+      for (int it = 0; it < 16 * NVEC / 32; ++it) {
+        const int idx = warp_sync ? warp * 16 * NVEC + it * 32 + lane
+                                  : it * THREADS + static_cast<int>(threadIdx.x);
         const int row = idx / NVEC, v = idx % NVEC;
         const PkRowOffsets off = s_off[stage * BN + row];
         const bool valid = off.k >= 0;
@@ -200,6 +213,10 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   if constexpr (Q_IN_REGS) {
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) load_q(kk, qa[kk]);
+    // Q's slot is next written by the first iteration's copies: with a block barrier there
+    // (below) every warp has its fragments by then; with warp_sync warp 0 would overwrite Q
+    // (its rows) before the others have read it, so the block meets once here.
+    if (warp_sync) __syncthreads();
   }
   // Scores go straight to base 2: logit * log2(e) = s * scale * log2(e) (soft cap: log2(e) *
   // cap * tanh(s * scale / cap)) + slope * log2(e) * (key position - query position).
@@ -222,13 +239,18 @@ pk_decode_mma_kernel(const PkAttnParams p) {
 
   for (int tile = 0, stage = 0; tile < num_tiles; ++tile, stage = (stage + 1) % stages) {
     pk_cp_async_wait_upto2(stages - 2);  // this thread's copies of `tile` have landed
-    // Everyone's have; tile - 1's slot is no longer read by anyone (in the first iteration:
-    // every warp has its Q fragments, so slot stages - 1 may be overwritten).
-    __syncthreads();
+    // Everyone's (the block's, or with warp_sync the warp's: all a warp reads) have; tile - 1's
+    // slot is no longer read by anyone who will write it (in the first iteration: every warp
+    // has its Q fragments, so slot stages - 1 may be overwritten).
+    if (warp_sync) {
+      __syncwarp();
+    } else {
+      __syncthreads();
+    }
     // One thread per row starts reading the block id of tile + stages (used at the end).
     int64_t next_block = -1;
     int next_slot = 0;
-    if (threadIdx.x < BN) locate_row(tile + stages, threadIdx.x, next_block, next_slot);
+    if (row_owner) locate_row(tile + stages, own_row, next_block, next_slot);
     const T* kt = ks + (stage * BN + warp * 16) * DP;
     const T* vt = vs + (stage * BN + warp * 16) * DP;
 
@@ -293,8 +315,9 @@ pk_decode_mma_kernel(const PkAttnParams p) {
       }
     }
     // Row offsets of tile + stages into this slot's entry: it was last read when tile's copies
-    // were issued (before the barrier above) and is next read after the next barrier.
-    if (threadIdx.x < BN) s_off[stage * BN + threadIdx.x] = row_offsets(next_block, next_slot);
+    // were issued (before the barrier above) and is next read after the next barrier (with
+    // warp_sync only by this row's warp, after its next __syncwarp).
+    if (row_owner) s_off[stage * BN + own_row] = row_offsets(next_block, next_slot);
   }
   pk_cp_async_wait<0>();  // only empty groups remain; nothing may be in flight at exit
   __syncthreads();        // every warp is done with the rings: reuse them for the merge

@@ -79,8 +79,14 @@ VARLEN_STAGES_ENV = "PAGED_KERNELS_CUDA_VARLEN_STAGES"
 #: Warps of the cp.async varlen kernel: 4 (64 query rows per block, the default) or 8 (128 rows:
 #: each K/V tile serves twice the rows), for timing runs.
 VARLEN_WARPS_ENV = "PAGED_KERNELS_CUDA_VARLEN_WARPS"
+#: How the mma decode kernel's warps wait for a K/V tile: "block" (the block copies each tile
+#: together and meets at __syncthreads, the default) or "warp" (each warp copies and waits for
+#: its own 16 keys alone: no block barrier in the key loop), for timing runs.
+DECODE_SYNC_ENV = "PAGED_KERNELS_CUDA_DECODE_SYNC"
+MMA_DECODE_SYNCS = ("block", "warp")
 #: Every environment variable the planner reads (timing runs set them per variant).
-PLAN_ENVS = (PARTITION_ENV, STAGES_ENV, DECODE_TILE_ENV, VARLEN_STAGES_ENV, VARLEN_WARPS_ENV)
+PLAN_ENVS = (PARTITION_ENV, STAGES_ENV, DECODE_TILE_ENV, DECODE_SYNC_ENV, VARLEN_STAGES_ENV,
+             VARLEN_WARPS_ENV)
 
 
 def mma_decode_stages(head_size: int, env: Mapping[str, str] = os.environ) -> int:
@@ -104,6 +110,18 @@ def mma_decode_tile(env: Mapping[str, str] = os.environ) -> int:
             raise ValueError(f"{DECODE_TILE_ENV}: expected 64 or 32, got {forced!r}")
         return int(forced)
     return MMA_DECODE_TILES[0]
+
+
+def mma_decode_warp_sync(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the mma decode kernel's warps wait for their own keys alone (pk_decode_mma.cuh,
+    "Synchronisation"): no unless `$PAGED_KERNELS_CUDA_DECODE_SYNC` says "warp" (not yet timed
+    on a GPU, so not the default)."""
+    forced = env.get(DECODE_SYNC_ENV)
+    if forced:
+        if forced not in MMA_DECODE_SYNCS:
+            raise ValueError(f"{DECODE_SYNC_ENV}: expected 'block' or 'warp', got {forced!r}")
+        return forced == "warp"
+    return False
 
 
 def mma_decode_min_blocks(head_size: int, warps: int = 4) -> int:
@@ -147,6 +165,7 @@ def check_plan_env(settings: Mapping[str, str]) -> None:
                              f"{PLAN_ENVS}")
     mma_decode_stages(128, settings)
     mma_decode_tile(settings)
+    mma_decode_warp_sync(settings)
     varlen_stages(settings)
     varlen_warps(settings)
     _forced_partition(settings)
@@ -239,6 +258,7 @@ class AttentionPlan:
     reduce_grid: tuple[int, int]
     stages: int = 0        # mma decode: depth of the K/V ring; 16-bit varlen: 2 ring, 1 sync
     threads: int = THREADS  # mma decode: 32 per warp, 16 keys of its tile per warp
+    warp_sync: int = 0     # mma decode: 1 = each warp copies and waits for its own keys
 
 
 def _decode_capacity(p: AttentionProblem) -> int:
@@ -339,7 +359,8 @@ def _plan_decode_mma(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     size, splits = _waves_partition(p, ctas, blocks * num_sms)
     return AttentionPlan(KERNEL_DECODE_MMA, MMA_DECODE_ROWS, rows, chunks, 1, splits, size,
                          (p.num_kv_heads * chunks, p.num_seqs, splits), smem,
-                         (p.num_heads, p.num_seqs), stages, threads=2 * tile)
+                         (p.num_heads, p.num_seqs), stages, threads=2 * tile,
+                         warp_sync=int(mma_decode_warp_sync()))
 
 
 def _varlen_async_smem(p: AttentionProblem, warps: int) -> int:
@@ -459,7 +480,7 @@ def _attn_values(p: AttentionProblem, plan: AttentionPlan, q: torch.Tensor, k: t
         "num_head_chunks": plan.num_head_chunks, "num_splits": plan.num_splits,
         "partition_size": plan.partition_size, "sliding_window": p.sliding_window or 0,
         "dtype": DTYPE_CODES[p.query.dtype], "kernel": plan.kernel, "group_tile": plan.group_tile,
-        "q_tile_tokens": plan.q_tile_tokens, "stages": plan.stages,
+        "q_tile_tokens": plan.q_tile_tokens, "stages": plan.stages, "warp_sync": plan.warp_sync,
         "grid_x": plan.grid[0], "grid_y": plan.grid[1],
         "grid_z": plan.grid[2], "threads": plan.threads, "smem_bytes": plan.smem_bytes,
         "reduce_grid_x": plan.reduce_grid[0], "reduce_grid_y": plan.reduce_grid[1],
