@@ -365,6 +365,34 @@ def test_bad_chat_fields_are_400(http, payload):
     assert_error(http.post("/v1/chat/completions", json=payload), 400)
 
 
+@pytest.mark.parametrize("path, payload", [
+    ("/tokenize", {}),
+    ("/tokenize", {"messages": []}),  # was a 500 (found by schemathesis)
+    ("/tokenize", {"prompt": PROMPT, "messages": CHAT}),
+    ("/tokenize", {"prompt": 7}),
+    ("/detokenize", {"tokens": "abc"}),
+    ("/detokenize", {}),
+])
+def test_bad_tokenize_bodies_are_400(http, path, payload):
+    assert_error(http.post(path, json=payload), 400)
+    assert http.post("/tokenize", json={"prompt": PROMPT}).status_code == 200  # still serving
+
+
+def test_wrong_method_is_405_with_allow(http):
+    """A path that exists, asked with a method it does not take: 405 naming the methods."""
+    r = http.delete("/v1/completions")
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"
+    assert http.request("TRACE", "/health").headers["allow"] == "GET"
+
+
+def test_openapi_schema_lists_the_routes(http):
+    """The OpenAPI schema (as vLLM serves it; clients and fuzzers read it) names every route."""
+    paths = http.get("/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
+            "/detokenize", "/health", "/metrics"} <= set(paths)
+
+
 def test_malformed_json_is_400(http):
     r = http.post("/v1/completions", content=b'{"prompt": "x",',
                   headers={"content-type": "application/json"})

@@ -74,6 +74,7 @@ def test_missing_or_wrong_key_is_401(server):
     for path in ("/v1/models", "/metrics", "/internal/stats"):
         assert_error(httpx.get(url + path), 401)
     assert httpx.get(f"{url}/health").status_code == 200  # open without a key
+    assert "/v1/completions" in httpx.get(f"{url}/openapi.json").json()["paths"]  # also open
 
 
 def test_openai_client_with_and_without_key(server):

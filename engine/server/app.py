@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Awaitable, Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.server import openapi
 from engine.server import responses as R
 from engine.server.async_engine import AsyncEngine, RequestDelta
 from engine.server.errors import APIError, error_body, install_error_handlers, logger
@@ -442,9 +443,12 @@ def create_app(server: OpenAIServer, api_key: Optional[str] = None,
         yield
         server.engine.shutdown()
 
+    # The OpenAPI schema of the routes below, as vLLM serves it (clients and fuzzers read it); no
+    # Swagger/ReDoc pages, which load their scripts from a CDN.
     app = FastAPI(title="paged-kernels engine", lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+                  redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
+    openapi.install(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_request_bytes)
 
     @app.post("/v1/completions")

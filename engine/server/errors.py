@@ -98,7 +98,9 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     detail = exc.detail if isinstance(exc.detail, str) else "request failed"
     if exc.status_code == 404:
         detail = f"no route {request.method} {request.url.path}"
-    return error_response(exc.status_code, detail)
+    # Starlette's headers go out too: a 405 must say which methods the path takes (`Allow`,
+    # RFC 9110).
+    return error_response(exc.status_code, detail, headers=getattr(exc, "headers", None))
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -19,7 +19,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 #: Paths that need no API key.
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 #: An oversized body is read and dropped up to this many bytes (so the client sees the 413
 #: instead of a reset connection); beyond it the connection is closed.
 _DRAIN_LIMIT = 64 * 1024 * 1024

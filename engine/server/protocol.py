@@ -215,7 +215,7 @@ class TokenizeRequest(_Model):
 
     model: Optional[StrictStr] = None
     prompt: Optional[StrictStr] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
     add_special_tokens: Optional[StrictBool] = None
     add_generation_prompt: StrictBool = True
 
