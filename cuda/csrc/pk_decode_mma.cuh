@@ -18,11 +18,11 @@
 //   lane holds rows g and g + 8); at the end the warps' (m, l, O) are merged through shared
 //   memory.
 //   Synchronisation (p.warp_sync, the plan's choice: PAGED_KERNELS_CUDA_DECODE_SYNC): a warp
-//   only ever reads its own 16 rows of a tile, so either the block copies each tile together
-//   and waits at __syncthreads (0, the default), or each warp copies its own rows and waits for
-//   them alone at __syncwarp (1): no block barrier in the key loop, and the warps of a block
-//   drift apart as their loads land (the block meets again only for the merge). The copies per
-//   thread, the bytes and the shared memory are the same in both.
+//   only ever reads its own 16 rows of a tile, and each warp copies its own rows; so either
+//   the block waits for the tile at __syncthreads (0, the default), or each warp waits for its
+//   rows alone at __syncwarp (1): no block barrier in the key loop, and the warps of a block
+//   drift apart as their loads land (the block meets again only for the merge). The copies,
+//   the bytes and the shared memory are the same in both.
 //   Invariants: rows of q/k/v/out are 16-byte aligned (ops.py checks); no key at a position
 //   >= seq_len is ever read: rows past the partition are zero-filled by cp.async without a load
 //   (cache slots past seq_len may hold NaN); block-table entries past ceil(seq_len / block_size)
@@ -181,25 +181,29 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   }
   __syncthreads();
 
-  // Starts the copies of tile `tile` into ring slot `stage` (its row offsets are s_off[stage]):
-  // the whole tile by the block, or with warp_sync the warp's own 16 rows by the warp (the same
-  // copies per thread); then commits (an empty group past the last tile keeps the group count
-  // uniform).
+  // Starts the copies of tile `tile` into ring slot `stage` (its row offsets are s_off[stage]),
+  // then commits (an empty group past the last tile keeps the group count uniform). Each warp
+  // copies its own 16 rows (lane l takes 16-byte column (32 it + l) % NVEC of row (32 it + l) /
+  // NVEC, so a warp instruction covers whole consecutive rows), in both synchronisation modes:
+  // with a block barrier the assignment does not matter, with warp_sync it must be this one.
+  // The pass count and every index but the row's offsets are compile-time constants plus
+  // per-thread values hoisted out of the key loop (SASS: a few integer ops per 16-byte copy).
   const T* kbase = static_cast<const T*>(p.k_cache) + r.kvh * p.k_stride_head;
   const T* vbase = static_cast<const T*>(p.v_cache) + r.kvh * p.v_stride_head;
+  constexpr int PASSES = 16 * NVEC / 32;
+  static_assert(16 * NVEC % 32 == 0, "whole passes over a warp's rows (D % 16 == 0)");
   auto issue_tile = [&](int tile, int stage) {
     if (tile < num_tiles) {
-      static_assert(16 * NVEC % 32 == 0, "whole passes over a warp's rows (D % 16 == 0)");
-#pragma unroll 2
-      for (int it = 0; it < 16 * NVEC / 32; ++it) {
-        const int idx = warp_sync ? warp * 16 * NVEC + it * 32 + lane
-                                  : it * THREADS + static_cast<int>(threadIdx.x);
-        const int row = idx / NVEC, v = idx % NVEC;
+#pragma unroll
+      for (int it = 0; it < PASSES; ++it) {
+        const unsigned lin = static_cast<unsigned>(it * 32) + static_cast<unsigned>(lane);
+        const int row = warp * 16 + static_cast<int>(lin / NVEC);
+        const int v = static_cast<int>(lin % NVEC);
         const PkRowOffsets off = s_off[stage * BN + row];
         const bool valid = off.k >= 0;
         const int at = (stage * BN + row) * DP + v * VEC;
-        pk_cp_async16(ks + at, kbase + (valid ? off.k : 0) + v * VEC, valid);
-        pk_cp_async16(vs + at, vbase + (valid ? off.v : 0) + v * VEC, valid);
+        pk_cp_async16(ks + at, kbase + v * VEC + (valid ? off.k : 0), valid);
+        pk_cp_async16(vs + at, vbase + v * VEC + (valid ? off.v : 0), valid);
       }
     }
     pk_cp_async_commit();
