@@ -80,8 +80,9 @@ def fast_matrix() -> list[Config]:
     configs += [replace(core, block_size=b) for b in BLOCK_SIZES if b != 16]
     configs += [replace(core, heads=h) for h in HEAD_LAYOUTS if h != core.heads]
     configs += [replace(core, dtype=torch.float32, features=f) for f in FEATURE_SETS if f]
-    configs += [replace(core, dtype=torch.bfloat16, batch="decode",
-                        features=FEATURE_SETS[-1])]
+    # every feature at once on the 16-bit (tensor-core) paths: decode, and a mixed batch (varlen)
+    configs += [replace(core, dtype=torch.bfloat16, batch=b, features=FEATURE_SETS[-1])
+                for b in ("decode", "mixed")]
     configs += [HEADLINE_DECODE]
     return configs
 

@@ -226,6 +226,9 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   // cap * tanh(s * scale / cap)) + slope * log2(e) * (key position - query position).
   const float soft_cap = static_cast<float>(p.soft_cap);
   const float qk_scale = static_cast<float>(p.scale) * (soft_cap > 0.f ? 1.f : LOG2E);
+  // A multiply per score instead of a division (whose IEEE slow path the compiler inlines
+  // at every score: 13 % of the decode key loop's code at head size 128, sm_90).
+  const float inv_cap = soft_cap > 0.f ? 1.f / soft_cap : 0.f;
   const int rel0 = static_cast<int>(r.part_start - r.q_pos);  // key i's position - query's
   float slope2[2];
 #pragma unroll
@@ -296,7 +299,7 @@ pk_decode_mma_kernel(const PkAttnParams p) {
       for (int c = 0; c < 4; ++c) {
         const int hr = c / 2, i = key0 + nt * 8 + 2 * tq + (c % 2);
         float x = s[nt][c] * qk_scale;
-        if (soft_cap > 0.f) x = LOG2E * soft_cap * tanhf(x / soft_cap);
+        if (soft_cap > 0.f) x = LOG2E * soft_cap * tanhf(x * inv_cap);
         x = i < n ? fmaf(slope2[hr], static_cast<float>(rel0 + i), x) : -INFINITY;
         s[nt][c] = x;
         tile_max[hr] = fmaxf(tile_max[hr], x);

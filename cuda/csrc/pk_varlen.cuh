@@ -215,6 +215,9 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
   // Scores go straight to base 2 (as in pk_decode_mma_kernel): logit * log2(e).
   const float soft_cap = static_cast<float>(p.soft_cap);
   const float qk_scale = static_cast<float>(p.scale) * (soft_cap > 0.f ? 1.f : LOG2E);
+  // A multiply per score instead of a division (whose IEEE slow path the compiler inlines
+  // at every score: 13 % of the decode key loop's code at head size 128, sm_90).
+  const float inv_cap = soft_cap > 0.f ? 1.f / soft_cap : 0.f;
   const int64_t window = p.sliding_window;
   // The block's last row position; a tile is seen whole by every row when its last key is at
   // or before the first row's position and (with a window) its first key is inside the last
@@ -266,7 +269,7 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
         const int hr = c / 2;
         const int64_t kv = kv0 + nt * 8 + 2 * tq + (c % 2);
         float x = s[nt][c] * qk_scale;
-        if (soft_cap > 0.f) x = LOG2E * soft_cap * tanhf(x / soft_cap);
+        if (soft_cap > 0.f) x = LOG2E * soft_cap * tanhf(x * inv_cap);
         x = fmaf(slope2[hr], static_cast<float>(kv - row_pos[hr]), x);
         if (!whole && !(row_ok[hr] && kv < t.kv_end && pk_visible(kv, row_pos[hr], window)))
           x = -INFINITY;
