@@ -34,16 +34,18 @@ SHAPES = [(1, 16384), (32, 1024), (32, 4096), (32, 16384), (128, 1024), (128, 40
 #: The CUDA decode kernel's choices (docs/cuda.md, "Tuning on a GPU"): the default (64-key tiles,
 #: 4 warps, ring of 2: 3 blocks per SM at head size 128), 3 stages, and 32-key tiles with 2 warps
 #: (6 blocks per SM at 2 stages, 4 at 3, 3 at 4: 1, 2, 3 tiles in flight per block), each warp
-#: waiting for its own keys instead of the block for the tile (both tiles), with the wave model's
-#: partition and two fixed ones.
+#: waiting for its own keys instead of the block for the tile (both tiles), the K/V rows
+#: prefetched into L2 an iteration ahead (both tiles), and 32-key tiles with a fixed partition
+#: instead of the wave model's.
 VARIANTS = ["triton", "cuda", "cuda:PAGED_KERNELS_CUDA_DECODE_STAGES=3",
             "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32",
             "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32,PAGED_KERNELS_CUDA_DECODE_STAGES=3",
             "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32,PAGED_KERNELS_CUDA_DECODE_STAGES=4",
             "cuda:PAGED_KERNELS_CUDA_DECODE_SYNC=warp",
             "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32,PAGED_KERNELS_CUDA_DECODE_SYNC=warp",
-            "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32,PAGED_KERNELS_CUDA_PARTITION=1024",
-            "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32,PAGED_KERNELS_CUDA_PARTITION=512"]
+            "cuda:PAGED_KERNELS_CUDA_DECODE_PREFETCH=1",
+            "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32,PAGED_KERNELS_CUDA_DECODE_PREFETCH=1",
+            "cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32,PAGED_KERNELS_CUDA_PARTITION=1024"]
 #: Causal prefill (batch, context, query tokens per sequence): one long prompt, and a batch of
 #: chunks on a cached prefix.
 PREFILL_SHAPES = [(1, 4096, 4096), (8, 8192, 512)]

@@ -87,12 +87,14 @@ PLANNED = [(dtype, heads, q_lens) for dtype in ("float32", "float16", "bfloat16"
 #: Every kernel choice the environment can force (decode tile and synchronisation, varlen
 #: kernel), and the defaults.
 FORCED = [{}, {ops.DECODE_TILE_ENV: "32"}, {ops.DECODE_SYNC_ENV: "warp"},
-          {ops.VARLEN_STAGES_ENV: "1"}, {ops.VARLEN_WARPS_ENV: "8"}]
+          {ops.DECODE_PREFETCH_ENV: "1"}, {ops.VARLEN_STAGES_ENV: "1"},
+          {ops.VARLEN_WARPS_ENV: "8"}]
 
 
 @needs_nvcc
 @pytest.mark.parametrize("env", FORCED, ids=["default", "decode-tile-32", "decode-warp-sync",
-                                             "varlen-sync", "varlen-8-warps"])
+                                             "decode-l2-prefetch", "varlen-sync",
+                                             "varlen-8-warps"])
 @pytest.mark.parametrize("dtype,heads,q_lens", PLANNED)
 def test_every_launch_a_plan_makes_is_compiled(reports, monkeypatch, env, dtype, heads,
                                                q_lens) -> None:
@@ -340,28 +342,39 @@ def test_decode_mma_tile_32_halves_shared_memory(monkeypatch, head_size, blocks_
         ops.mma_decode_tile()
 
 
-def test_decode_sync_is_a_run_time_choice_of_the_same_kernel(monkeypatch) -> None:
-    """PAGED_KERNELS_CUDA_DECODE_SYNC=warp sets the plan's warp_sync (packed into the params the
-    kernel reads) and changes nothing else: same instantiation, grid, threads, shared memory."""
+@pytest.mark.parametrize("env,value,field", [(ops.DECODE_SYNC_ENV, "warp", "warp_sync"),
+                                             (ops.DECODE_PREFETCH_ENV, "1", "l2_prefetch")])
+def test_decode_sync_and_prefetch_are_run_time_choices_of_the_same_kernel(
+        monkeypatch, env, value, field) -> None:
+    """PAGED_KERNELS_CUDA_DECODE_SYNC=warp / _PREFETCH=1 set the plan's warp_sync / l2_prefetch
+    (packed into the params the kernel reads) and change nothing else: same instantiation,
+    grid, threads, shared memory."""
     import torch
 
     problem = _problem(torch.bfloat16, (32, 8), None, head_size=128, block_size=16)
     for tile in ("64", "32"):
         monkeypatch.setenv(ops.DECODE_TILE_ENV, tile)
-        monkeypatch.delenv(ops.DECODE_SYNC_ENV, raising=False)
-        block = ops._plan_decode_mma(problem, num_sms=132)
-        monkeypatch.setenv(ops.DECODE_SYNC_ENV, "warp")
-        warp = ops._plan_decode_mma(problem, num_sms=132)
-        assert (block.warp_sync, warp.warp_sync) == (0, 1)
-        assert dataclasses.replace(warp, warp_sync=0) == block
+        monkeypatch.delenv(env, raising=False)
+        default = ops._plan_decode_mma(problem, num_sms=132)
+        monkeypatch.setenv(env, value)
+        chosen = ops._plan_decode_mma(problem, num_sms=132)
+        assert (getattr(default, field), getattr(chosen, field)) == (0, 1)
+        assert dataclasses.replace(chosen, **{field: 0}) == default
         values = ops.unpack("attn", ops.pack("attn", ops._attn_values(
-            problem, warp, problem.query, problem.key_cache, problem.value_cache, problem.out,
+            problem, chosen, problem.query, problem.key_cache, problem.value_cache, problem.out,
             None)))
-        assert values["warp_sync"] == 1
+        assert values[field] == 1
+
+
+def test_bad_decode_sync_or_prefetch_values_are_refused(monkeypatch) -> None:
     monkeypatch.setenv(ops.DECODE_SYNC_ENV, "grid")
     with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_SYNC: expected 'block' or "
                                          "'warp', got 'grid'"):
         ops.mma_decode_warp_sync()
+    monkeypatch.setenv(ops.DECODE_PREFETCH_ENV, "yes")
+    with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_PREFETCH: expected 0 or 1, "
+                                         "got 'yes'"):
+        ops.mma_decode_l2_prefetch()
 
 
 @pytest.mark.parametrize("head_size", ops.HEAD_SIZES)

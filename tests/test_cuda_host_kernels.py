@@ -103,14 +103,17 @@ def test_decode_kernels_head_and_block_sizes(monkeypatch, dtype, head_size, bloc
     check(case, dtype, sliding_window=70, soft_cap=4.0, alibi_slopes=slopes)
 
 
-@pytest.mark.parametrize("sync", ["block", "warp"])
+@pytest.mark.parametrize("sync,prefetch", [("block", "0"), ("warp", "0"), ("block", "1")])
 @pytest.mark.parametrize("stages", ["2", "3", "4"])
-def test_decode_mma_ring_depths(monkeypatch, stages, sync):
+def test_decode_mma_ring_depths(monkeypatch, stages, sync, prefetch):
     """The mma decode kernel with every K/V ring depth (PAGED_KERNELS_CUDA_DECODE_STAGES) on
     partitions of up to 5 tiles, the last one partial, with the block or each warp waiting for
-    its tiles (PAGED_KERNELS_CUDA_DECODE_SYNC)."""
+    its tiles (PAGED_KERNELS_CUDA_DECODE_SYNC), and with the L2 prefetch of the rows an
+    iteration ahead (PAGED_KERNELS_CUDA_DECODE_PREFETCH: the emulator checks its alignment and
+    size and reads both ends of every prefetched range)."""
     monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_STAGES", stages)
     monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_SYNC", sync)
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_PREFETCH", prefetch)
     monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "320")
     case = make_case([700, 129, 64, 2], None, heads=8, kv_heads=2, head_size=64, block_size=16,
                      dtype=torch.bfloat16, seed=int(stages))
@@ -122,6 +125,7 @@ OFFSET_KERNELS = {
     "decode-mma": (torch.bfloat16, 1, {}),
     "decode-mma-tile32": (torch.bfloat16, 1, {"PAGED_KERNELS_CUDA_DECODE_TILE": "32"}),
     "decode-mma-warp-sync": (torch.bfloat16, 1, {"PAGED_KERNELS_CUDA_DECODE_SYNC": "warp"}),
+    "decode-mma-l2-prefetch": (torch.bfloat16, 1, {"PAGED_KERNELS_CUDA_DECODE_PREFETCH": "1"}),
     "decode-simt": (torch.float32, 1, {}),
     "varlen-async": (torch.float16, 3, {}),
     "varlen-async-8-warps": (torch.float16, 3, {"PAGED_KERNELS_CUDA_VARLEN_WARPS": "8"}),
@@ -159,16 +163,21 @@ def test_cache_offsets_past_int32(monkeypatch, kernel):
     assert rel_error(out, want) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("tile,sync", [("32", "block"), ("32", "warp"), ("64", "warp")])
+@pytest.mark.parametrize("tile,sync,prefetch", [("32", "block", "0"), ("32", "warp", "0"),
+                                                ("64", "warp", "0"), ("32", "block", "1"),
+                                                ("64", "block", "1")])
 @pytest.mark.parametrize("stages", ["2", "3", "4"])
 @pytest.mark.parametrize("head_size,block_size", [(64, 16), (80, 24), (256, 8)])
-def test_decode_mma_tiles_and_syncs(monkeypatch, stages, head_size, block_size, tile, sync):
-    """The 2-warp, 32-key-tile decode kernel (PAGED_KERNELS_CUDA_DECODE_TILE=32) and the
-    warp-synchronised one (PAGED_KERNELS_CUDA_DECODE_SYNC=warp, both tiles) at every ring depth:
+def test_decode_mma_tiles_and_syncs(monkeypatch, stages, head_size, block_size, tile, sync,
+                                    prefetch):
+    """The 2-warp, 32-key-tile decode kernel (PAGED_KERNELS_CUDA_DECODE_TILE=32), the
+    warp-synchronised one (PAGED_KERNELS_CUDA_DECODE_SYNC=warp, both tiles) and the L2 prefetch
+    (PAGED_KERNELS_CUDA_DECODE_PREFETCH=1, both tiles) at every ring depth:
     Q in the K ring's last slot (head sizes 64, 80) or in its own region (256), partial last
     tiles, several head chunks (a GQA group of 20), split-K, and every feature."""
     monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_TILE", tile)
     monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_SYNC", sync)
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_PREFETCH", prefetch)
     monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_STAGES", stages)
     monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "160")
     slopes = torch.tensor([2.0 ** (-(h % 8 + 1)) for h in range(20)], dtype=torch.float32)

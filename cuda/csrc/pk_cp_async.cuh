@@ -7,6 +7,8 @@
 //     (both 16-byte aligned); with valid == false nothing is read and `dst` gets 16 zero bytes
 //     (`src` must still be a valid address expression; it is not dereferenced).
 //   pk_cp_async_commit(): closes this thread's uncommitted copies into one group (possibly empty).
+//   pk_prefetch_l2(src, bytes): a hint to start bringing `bytes` (a multiple of 16) of global
+//     memory at `src` (16-byte aligned, all of it valid memory) into L2; no effect on results.
 //   pk_cp_async_wait<N>(): waits until at most N of this thread's most recent committed groups
 //     are pending; all older groups have landed. A copy's data is visible to the issuing thread
 //     after its wait, and to other threads of the block only after a __syncthreads() that
@@ -21,6 +23,16 @@ __device__ __forceinline__ void pk_cp_async16(void* dst, const void* src, bool v
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(d), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void pk_prefetch_l2(const void* src, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // One bulk prefetch of exactly `bytes` (sm_90's copy engine).
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(src), "r"(bytes) : "memory");
+#else
+  for (int at = 0; at < bytes; at += 128)  // one L2 line (128 bytes) at a time
+    asm volatile("prefetch.global.L2 [%0];\n" :: "l"(static_cast<const char*>(src) + at));
+#endif
 }
 
 __device__ __forceinline__ void pk_cp_async_commit() {

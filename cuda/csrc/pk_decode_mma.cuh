@@ -161,6 +161,21 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   const int own_row = warp * 16 + lane;
   const bool row_owner = lane < 16;
   const bool warp_sync = p.warp_sync != 0;
+  // p.l2_prefetch (PAGED_KERNELS_CUDA_DECODE_PREFETCH): when a row's offsets are computed, an
+  // iteration before its copies are issued, its K and V bytes are also asked into L2, so about
+  // one more tile per block is in flight without shared memory or registers of its own.
+  const bool l2_prefetch = p.l2_prefetch != 0;
+  const T* kbase = static_cast<const T*>(p.k_cache) + r.kvh * p.k_stride_head;
+  const T* vbase = static_cast<const T*>(p.v_cache) + r.kvh * p.v_stride_head;
+  // Records the offsets of this thread's row of ring slot `stage` (and prefetches the row).
+  auto set_row = [&](int stage, int64_t block, int slot) {
+    const PkRowOffsets off = row_offsets(block, slot);
+    s_off[stage * BN + own_row] = off;
+    if (l2_prefetch && off.k >= 0) {
+      pk_prefetch_l2(kbase + off.k, D * static_cast<int>(sizeof(T)));
+      pk_prefetch_l2(vbase + off.v, D * static_cast<int>(sizeof(T)));
+    }
+  };
   // Q rows (zeros past the group's heads), and the row offsets of tiles 0..stages-1 (one thread
   // per row), -> shared memory.
   for (int idx = threadIdx.x; idx < M * NVEC; idx += THREADS) {
@@ -176,7 +191,7 @@ pk_decode_mma_kernel(const PkAttnParams p) {
       int64_t block;
       int slot;
       locate_row(t, own_row, block, slot);
-      s_off[t * BN + own_row] = row_offsets(block, slot);
+      set_row(t, block, slot);
     }
   }
   __syncthreads();
@@ -188,8 +203,6 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   // with a block barrier the assignment does not matter, with warp_sync it must be this one.
   // The pass count and every index but the row's offsets are compile-time constants plus
   // per-thread values hoisted out of the key loop (SASS: a few integer ops per 16-byte copy).
-  const T* kbase = static_cast<const T*>(p.k_cache) + r.kvh * p.k_stride_head;
-  const T* vbase = static_cast<const T*>(p.v_cache) + r.kvh * p.v_stride_head;
   constexpr int PASSES = 16 * NVEC / 32;
   static_assert(16 * NVEC % 32 == 0, "whole passes over a warp's rows (D % 16 == 0)");
   auto issue_tile = [&](int tile, int stage) {
@@ -324,7 +337,7 @@ pk_decode_mma_kernel(const PkAttnParams p) {
     // Row offsets of tile + stages into this slot's entry: it was last read when tile's copies
     // were issued (before the barrier above) and is next read after the next barrier (with
     // warp_sync only by this row's warp, after its next __syncwarp).
-    if (row_owner) s_off[stage * BN + own_row] = row_offsets(next_block, next_slot);
+    if (row_owner) set_row(stage, next_block, next_slot);
   }
   pk_cp_async_wait<0>();  // only empty groups remain; nothing may be in flight at exit
   __syncthreads();        // every warp is done with the rings: reuse them for the merge

@@ -28,7 +28,7 @@
   I(num_seqs) I(num_tokens) I(num_heads) I(num_kv_heads) I(head_size) I(block_size)       \
   I(group) I(heads_per_cta) I(num_head_chunks) I(num_splits) I(partition_size)            \
   I(sliding_window) I(dtype) I(kernel) I(group_tile) I(q_tile_tokens) I(stages)          \
-  I(warp_sync)                                                                            \
+  I(warp_sync) I(l2_prefetch)                                                            \
   I(grid_x) I(grid_y) I(grid_z) I(threads) I(smem_bytes)                                  \
   I(reduce_grid_x) I(reduce_grid_y) I(reduce_threads)                                     \
   F(scale) F(soft_cap)

@@ -27,6 +27,17 @@ inline void cp_async16(void* dst, const void* src, bool valid) {
   std::memset(dst, 0xff, 16);
 }
 
+// The L2 prefetch has no effect on results; the emulator checks its contract (16-byte aligned,
+// a multiple of 16 bytes) and reads both ends of the range, so a wild address faults here.
+inline void prefetch_l2(const void* src, int bytes) {
+  if (reinterpret_cast<uintptr_t>(src) % 16 != 0 || bytes <= 0 || bytes % 16 != 0)
+    fail("pk_prefetch_l2: the source must be 16-byte aligned and the size a positive multiple "
+         "of 16 bytes");
+  const volatile char* p = static_cast<const char*>(src);
+  (void)p[0];
+  (void)p[bytes - 1];
+}
+
 inline void cp_async_commit() {
   ThreadState& ts = *tls_thread;
   ts.async_groups.push_back(std::move(ts.async_uncommitted));
@@ -50,6 +61,7 @@ inline void cp_async_wait(int pending) {
 inline void pk_cp_async16(void* dst, const void* src, bool valid) {
   pk_host::cp_async16(dst, src, valid);
 }
+inline void pk_prefetch_l2(const void* src, int bytes) { pk_host::prefetch_l2(src, bytes); }
 inline void pk_cp_async_commit() { pk_host::cp_async_commit(); }
 template <int N>
 inline void pk_cp_async_wait() {

@@ -84,9 +84,12 @@ VARLEN_WARPS_ENV = "PAGED_KERNELS_CUDA_VARLEN_WARPS"
 #: its own 16 keys alone: no block barrier in the key loop), for timing runs.
 DECODE_SYNC_ENV = "PAGED_KERNELS_CUDA_DECODE_SYNC"
 MMA_DECODE_SYNCS = ("block", "warp")
+#: "1": the mma decode kernel asks each K/V row into L2 an iteration before it copies it (about
+#: one more tile in flight per block, no shared memory); "0" (the default): no prefetch.
+DECODE_PREFETCH_ENV = "PAGED_KERNELS_CUDA_DECODE_PREFETCH"
 #: Every environment variable the planner reads (timing runs set them per variant).
-PLAN_ENVS = (PARTITION_ENV, STAGES_ENV, DECODE_TILE_ENV, DECODE_SYNC_ENV, VARLEN_STAGES_ENV,
-             VARLEN_WARPS_ENV)
+PLAN_ENVS = (PARTITION_ENV, STAGES_ENV, DECODE_TILE_ENV, DECODE_SYNC_ENV, DECODE_PREFETCH_ENV,
+             VARLEN_STAGES_ENV, VARLEN_WARPS_ENV)
 
 
 def mma_decode_stages(head_size: int, env: Mapping[str, str] = os.environ) -> int:
@@ -121,6 +124,18 @@ def mma_decode_warp_sync(env: Mapping[str, str] = os.environ) -> bool:
         if forced not in MMA_DECODE_SYNCS:
             raise ValueError(f"{DECODE_SYNC_ENV}: expected 'block' or 'warp', got {forced!r}")
         return forced == "warp"
+    return False
+
+
+def mma_decode_l2_prefetch(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the mma decode kernel prefetches each K/V row into L2 an iteration ahead
+    (pk_decode_mma.cuh): no unless `$PAGED_KERNELS_CUDA_DECODE_PREFETCH` says 1 (not yet timed
+    on a GPU, so not the default)."""
+    forced = env.get(DECODE_PREFETCH_ENV)
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"{DECODE_PREFETCH_ENV}: expected 0 or 1, got {forced!r}")
+        return forced == "1"
     return False
 
 
@@ -166,6 +181,7 @@ def check_plan_env(settings: Mapping[str, str]) -> None:
     mma_decode_stages(128, settings)
     mma_decode_tile(settings)
     mma_decode_warp_sync(settings)
+    mma_decode_l2_prefetch(settings)
     varlen_stages(settings)
     varlen_warps(settings)
     _forced_partition(settings)
@@ -259,6 +275,7 @@ class AttentionPlan:
     stages: int = 0        # mma decode: depth of the K/V ring; 16-bit varlen: 2 ring, 1 sync
     threads: int = THREADS  # mma decode: 32 per warp, 16 keys of its tile per warp
     warp_sync: int = 0     # mma decode: 1 = each warp copies and waits for its own keys
+    l2_prefetch: int = 0   # mma decode: 1 = K/V rows asked into L2 an iteration ahead
 
 
 def _decode_capacity(p: AttentionProblem) -> int:
@@ -360,7 +377,8 @@ def _plan_decode_mma(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     return AttentionPlan(KERNEL_DECODE_MMA, MMA_DECODE_ROWS, rows, chunks, 1, splits, size,
                          (p.num_kv_heads * chunks, p.num_seqs, splits), smem,
                          (p.num_heads, p.num_seqs), stages, threads=2 * tile,
-                         warp_sync=int(mma_decode_warp_sync()))
+                         warp_sync=int(mma_decode_warp_sync()),
+                         l2_prefetch=int(mma_decode_l2_prefetch()))
 
 
 def _varlen_async_smem(p: AttentionProblem, warps: int) -> int:
@@ -481,6 +499,7 @@ def _attn_values(p: AttentionProblem, plan: AttentionPlan, q: torch.Tensor, k: t
         "partition_size": plan.partition_size, "sliding_window": p.sliding_window or 0,
         "dtype": DTYPE_CODES[p.query.dtype], "kernel": plan.kernel, "group_tile": plan.group_tile,
         "q_tile_tokens": plan.q_tile_tokens, "stages": plan.stages, "warp_sync": plan.warp_sync,
+        "l2_prefetch": plan.l2_prefetch,
         "grid_x": plan.grid[0], "grid_y": plan.grid[1],
         "grid_z": plan.grid[2], "threads": plan.threads, "smem_bytes": plan.smem_bytes,
         "reduce_grid_x": plan.reduce_grid[0], "reduce_grid_y": plan.reduce_grid[1],
