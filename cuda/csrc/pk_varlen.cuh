@@ -218,6 +218,7 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
   // A multiply per score instead of a division (whose IEEE slow path the compiler inlines
   // at every score: 13 % of the decode key loop's code at head size 128, sm_90).
   const float inv_cap = soft_cap > 0.f ? 1.f / soft_cap : 0.f;
+  const bool has_alibi = p.alibi_slopes != nullptr;
   const int64_t window = p.sliding_window;
   // The block's last row position; a tile is seen whole by every row when its last key is at
   // or before the first row's position and (with a window) its first key is inside the last
@@ -262,17 +263,24 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
     // tile (the diagonal, the window's edge, the last tile).
     const bool whole = kv0 + BN - 1 <= t.pos_lo && (window <= 0 || kv0 > pos_hi - window);
     float tile_max[2] = {-INFINITY, -INFINITY};
+    // ALiBi's key position - query position, as floats (exact below 2^24): this lane's first
+    // column of the tile relative to each of its rows, plus the score's compile-time column.
+    float rel0[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) rel0[hr] = static_cast<float>(kv0 + 2 * tq - row_pos[hr]);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int hr = c / 2;
-        const int64_t kv = kv0 + nt * 8 + 2 * tq + (c % 2);
         float x = s[nt][c] * qk_scale;
         if (soft_cap > 0.f) x = LOG2E * soft_cap * tanhf(x * inv_cap);
-        x = fmaf(slope2[hr], static_cast<float>(kv - row_pos[hr]), x);
-        if (!whole && !(row_ok[hr] && kv < t.kv_end && pk_visible(kv, row_pos[hr], window)))
-          x = -INFINITY;
+        if (has_alibi) x = fmaf(slope2[hr], rel0[hr] + static_cast<float>(nt * 8 + c % 2), x);
+        if (!whole) {
+          const int64_t kv = kv0 + nt * 8 + 2 * tq + (c % 2);
+          if (!(row_ok[hr] && kv < t.kv_end && pk_visible(kv, row_pos[hr], window)))
+            x = -INFINITY;
+        }
         s[nt][c] = x;
         tile_max[hr] = fmaxf(tile_max[hr], x);
       }
