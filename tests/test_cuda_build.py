@@ -449,3 +449,15 @@ def test_cuda_backend_is_absent_without_a_gpu_and_imports_do_not_break() -> None
     assert "cuda" in pk.registered_backends()
     assert "cuda" not in pk.available_backends()
     assert "torch.cuda is not available" in pk.unavailable_backends()["cuda"]
+
+
+def test_every_planner_setting_has_a_checked_default() -> None:
+    """SETTINGS holds each forcible choice of the planner (every PLAN_ENVS name but the
+    partition, which defaults to the wave model), its default is one of its values, and an
+    empty variable means the default."""
+    assert set(ops.SETTINGS) == set(ops.PLAN_ENVS) - {ops.PARTITION_ENV}
+    for name, s in ops.SETTINGS.items():
+        assert s.default in s.values
+        assert ops.setting(name, {}) == ops.setting(name, {name: ""}) == s.default
+        for value in s.values:
+            assert ops.setting(name, {name: value}) == value

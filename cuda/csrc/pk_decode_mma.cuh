@@ -201,22 +201,29 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   // copies its own 16 rows (lane l takes 16-byte column (32 it + l) % NVEC of row (32 it + l) /
   // NVEC, so a warp instruction covers whole consecutive rows), in both synchronisation modes:
   // with a block barrier the assignment does not matter, with warp_sync it must be this one.
-  // The pass count and every index but the row's offsets are compile-time constants plus
-  // per-thread values hoisted out of the key loop (SASS: a few integer ops per 16-byte copy).
   constexpr int PASSES = 16 * NVEC / 32;
   static_assert(16 * NVEC % 32 == 0, "whole passes over a warp's rows (D % 16 == 0)");
+  auto issue_pass = [&](int it, int stage) {
+    const unsigned lin = static_cast<unsigned>(it * 32) + static_cast<unsigned>(lane);
+    const int row = warp * 16 + static_cast<int>(lin / NVEC);
+    const int v = static_cast<int>(lin % NVEC);
+    const PkRowOffsets off = s_off[stage * BN + row];
+    const bool valid = off.k >= 0;
+    const int at = (stage * BN + row) * DP + v * VEC;
+    pk_cp_async16(ks + at, kbase + v * VEC + (valid ? off.k : 0), valid);
+    pk_cp_async16(vs + at, vbase + v * VEC + (valid ? off.v : 0), valid);
+  };
   auto issue_tile = [&](int tile, int stage) {
     if (tile < num_tiles) {
+      // Fully unrolled where a row's 16-byte columns are a power of two (a lane's column is
+      // then the same in every pass); otherwise by two, which keeps head sizes 96, 112 and 192
+      // within the register budget (fully unrolled they spill 4-52 bytes).
+      if constexpr ((NVEC & (NVEC - 1)) == 0) {
 #pragma unroll
-      for (int it = 0; it < PASSES; ++it) {
-        const unsigned lin = static_cast<unsigned>(it * 32) + static_cast<unsigned>(lane);
-        const int row = warp * 16 + static_cast<int>(lin / NVEC);
-        const int v = static_cast<int>(lin % NVEC);
-        const PkRowOffsets off = s_off[stage * BN + row];
-        const bool valid = off.k >= 0;
-        const int at = (stage * BN + row) * DP + v * VEC;
-        pk_cp_async16(ks + at, kbase + v * VEC + (valid ? off.k : 0), valid);
-        pk_cp_async16(vs + at, vbase + v * VEC + (valid ? off.v : 0), valid);
+        for (int it = 0; it < PASSES; ++it) issue_pass(it, stage);
+      } else {
+#pragma unroll 2
+        for (int it = 0; it < PASSES; ++it) issue_pass(it, stage);
       }
     }
     pk_cp_async_commit();

@@ -66,13 +66,12 @@ SMEM_PER_SM, SMEM_PER_BLOCK_RESERVED = 228 * 1024, 1024
 #: 32 x 1024, where blocks are short; bench/results/2026-11-30-h200-decode-tuning).
 MMA_BLOCK_OVERHEAD_KEYS = 96
 #: Forces the depth of the mma decode kernel's K/V ring (2 to 4 tiles; fewer where MAX_SMEM
-#: would be exceeded), for timing runs.
+#: would be exceeded), for timing runs. The settings' values and defaults: SETTINGS below.
 STAGES_ENV = "PAGED_KERNELS_CUDA_DECODE_STAGES"
 MMA_DECODE_STAGES = (2, 3, 4)  # PK_DECODE_MMA_MAX_STAGES is the last
 #: Forces the mma decode kernel's tile: 64 keys (4 warps, the default) or 32 (2 warps, half the
 #: shared memory, so twice the blocks per SM), for timing runs.
 DECODE_TILE_ENV = "PAGED_KERNELS_CUDA_DECODE_TILE"
-MMA_DECODE_TILES = (64, 32)
 #: Chooses the 16-bit varlen kernel: 2 = K/V through a cp.async ring of 2 tiles (the default),
 #: 1 = the synchronous kernel it replaced (kept to compare on a GPU).
 VARLEN_STAGES_ENV = "PAGED_KERNELS_CUDA_VARLEN_STAGES"
@@ -83,7 +82,6 @@ VARLEN_WARPS_ENV = "PAGED_KERNELS_CUDA_VARLEN_WARPS"
 #: together and meets at __syncthreads, the default) or "warp" (each warp copies and waits for
 #: its own 16 keys alone: no block barrier in the key loop), for timing runs.
 DECODE_SYNC_ENV = "PAGED_KERNELS_CUDA_DECODE_SYNC"
-MMA_DECODE_SYNCS = ("block", "warp")
 #: "1": the mma decode kernel asks each K/V row into L2 an iteration before it copies it (about
 #: one more tile in flight per block, no shared memory); "0" (the default): no prefetch.
 DECODE_PREFETCH_ENV = "PAGED_KERNELS_CUDA_DECODE_PREFETCH"
@@ -92,51 +90,63 @@ PLAN_ENVS = (PARTITION_ENV, STAGES_ENV, DECODE_TILE_ENV, DECODE_SYNC_ENV, DECODE
              VARLEN_STAGES_ENV, VARLEN_WARPS_ENV)
 
 
+@dataclass(frozen=True)
+class PlanSetting:
+    """A choice of the planner that the environment can force: the environment variable, its
+    accepted values (as written there) and the default."""
+
+    env: str
+    values: tuple[str, ...]
+    default: str
+
+
+#: The planner's settings and their defaults: the one place a default changes when a GPU run's
+#: verdict says so (bench/tune_verdict.py names the variant; its settings are these names).
+#: Measured so far (docs/cuda.md): 2 stages (3 blocks per SM at head size 128) beat 3 and 4;
+#: the 32-key tile, warp synchronisation, the L2 prefetch and 8 varlen warps are not yet timed.
+SETTINGS: dict[str, PlanSetting] = {s.env: s for s in (
+    PlanSetting(STAGES_ENV, ("2", "3", "4"), "2"),
+    PlanSetting(DECODE_TILE_ENV, ("64", "32"), "64"),
+    PlanSetting(DECODE_SYNC_ENV, ("block", "warp"), "block"),
+    PlanSetting(DECODE_PREFETCH_ENV, ("0", "1"), "0"),
+    PlanSetting(VARLEN_STAGES_ENV, ("1", "2"), "2"),
+    PlanSetting(VARLEN_WARPS_ENV, ("4", "8"), "4"),
+)}
+
+
+def setting(name: str, env: Mapping[str, str] = os.environ) -> str:
+    """Planner setting `name`: the environment's value when set (checked), else its default."""
+    s = SETTINGS[name]
+    value = env.get(name) or s.default
+    if value not in s.values:
+        shown = [v if v.isdigit() else repr(v) for v in s.values]
+        raise ValueError(f"{name}: expected {', '.join(shown[:-1])} or {shown[-1]}, got "
+                         f"{value!r}")
+    return value
+
+
 def mma_decode_stages(head_size: int, env: Mapping[str, str] = os.environ) -> int:
-    """Depth of the mma decode kernel's K/V ring: 2 tiles (measured on an H200 at head size 128:
-    2 stages, 3 blocks per SM, gave 83 % of copy bandwidth; 3 stages, 2 blocks, 66 %; 4 stages,
-    1 block, 39 %); `$PAGED_KERNELS_CUDA_DECODE_STAGES` overrides it."""
-    forced = env.get(STAGES_ENV)
-    if forced:
-        if forced not in {str(n) for n in MMA_DECODE_STAGES}:
-            raise ValueError(f"{STAGES_ENV}: expected 2, 3 or 4, got {forced!r}")
-        return int(forced)
-    return 2
+    """Depth of the mma decode kernel's K/V ring (`$PAGED_KERNELS_CUDA_DECODE_STAGES`): 2 by
+    default (measured on an H200 at head size 128: 2 stages, 3 blocks per SM, gave 83 % of copy
+    bandwidth; 3 stages, 2 blocks, 66 %; 4 stages, 1 block, 39 %)."""
+    return int(setting(STAGES_ENV, env))
 
 
 def mma_decode_tile(env: Mapping[str, str] = os.environ) -> int:
-    """Keys per tile of the mma decode kernel (16 per warp): 64 unless
-    `$PAGED_KERNELS_CUDA_DECODE_TILE` says 32 (not yet timed on a GPU, so not the default)."""
-    forced = env.get(DECODE_TILE_ENV)
-    if forced:
-        if forced not in {str(n) for n in MMA_DECODE_TILES}:
-            raise ValueError(f"{DECODE_TILE_ENV}: expected 64 or 32, got {forced!r}")
-        return int(forced)
-    return MMA_DECODE_TILES[0]
+    """Keys per tile of the mma decode kernel, 16 per warp (`$PAGED_KERNELS_CUDA_DECODE_TILE`)."""
+    return int(setting(DECODE_TILE_ENV, env))
 
 
 def mma_decode_warp_sync(env: Mapping[str, str] = os.environ) -> bool:
     """Whether the mma decode kernel's warps wait for their own keys alone (pk_decode_mma.cuh,
-    "Synchronisation"): no unless `$PAGED_KERNELS_CUDA_DECODE_SYNC` says "warp" (not yet timed
-    on a GPU, so not the default)."""
-    forced = env.get(DECODE_SYNC_ENV)
-    if forced:
-        if forced not in MMA_DECODE_SYNCS:
-            raise ValueError(f"{DECODE_SYNC_ENV}: expected 'block' or 'warp', got {forced!r}")
-        return forced == "warp"
-    return False
+    "Synchronisation"; `$PAGED_KERNELS_CUDA_DECODE_SYNC`)."""
+    return setting(DECODE_SYNC_ENV, env) == "warp"
 
 
 def mma_decode_l2_prefetch(env: Mapping[str, str] = os.environ) -> bool:
     """Whether the mma decode kernel prefetches each K/V row into L2 an iteration ahead
-    (pk_decode_mma.cuh): no unless `$PAGED_KERNELS_CUDA_DECODE_PREFETCH` says 1 (not yet timed
-    on a GPU, so not the default)."""
-    forced = env.get(DECODE_PREFETCH_ENV)
-    if forced:
-        if forced not in ("0", "1"):
-            raise ValueError(f"{DECODE_PREFETCH_ENV}: expected 0 or 1, got {forced!r}")
-        return forced == "1"
-    return False
+    (`$PAGED_KERNELS_CUDA_DECODE_PREFETCH`)."""
+    return setting(DECODE_PREFETCH_ENV, env) == "1"
 
 
 def mma_decode_min_blocks(head_size: int, warps: int = 4) -> int:
@@ -146,24 +156,15 @@ def mma_decode_min_blocks(head_size: int, warps: int = 4) -> int:
 
 
 def varlen_stages(env: Mapping[str, str] = os.environ) -> int:
-    """2 (the cp.async-ring varlen kernel) unless `$PAGED_KERNELS_CUDA_VARLEN_STAGES` says 1."""
-    forced = env.get(VARLEN_STAGES_ENV)
-    if forced:
-        if forced not in ("1", "2"):
-            raise ValueError(f"{VARLEN_STAGES_ENV}: expected 1 or 2, got {forced!r}")
-        return int(forced)
-    return 2
+    """The 16-bit varlen kernel (`$PAGED_KERNELS_CUDA_VARLEN_STAGES`): 2, the cp.async ring, or
+    1, the synchronous kernel it replaced."""
+    return int(setting(VARLEN_STAGES_ENV, env))
 
 
 def varlen_warps(env: Mapping[str, str] = os.environ) -> int:
-    """Warps of the cp.async varlen kernel: 4 unless `$PAGED_KERNELS_CUDA_VARLEN_WARPS` says 8
-    (not yet timed on a GPU, so not the default; the synchronous kernel always runs 4)."""
-    forced = env.get(VARLEN_WARPS_ENV)
-    if forced:
-        if forced not in ("4", "8"):
-            raise ValueError(f"{VARLEN_WARPS_ENV}: expected 4 or 8, got {forced!r}")
-        return int(forced)
-    return 4
+    """Warps of the cp.async varlen kernel (`$PAGED_KERNELS_CUDA_VARLEN_WARPS`; the synchronous
+    kernel always runs 4)."""
+    return int(setting(VARLEN_WARPS_ENV, env))
 
 
 def varlen_async_bn(head_size: int) -> int:
@@ -178,12 +179,8 @@ def check_plan_env(settings: Mapping[str, str]) -> None:
         if name.startswith("PAGED_KERNELS_CUDA_") and name not in PLAN_ENVS:
             raise ValueError(f"{name}: not a setting of the CUDA planner; expected one of "
                              f"{PLAN_ENVS}")
-    mma_decode_stages(128, settings)
-    mma_decode_tile(settings)
-    mma_decode_warp_sync(settings)
-    mma_decode_l2_prefetch(settings)
-    varlen_stages(settings)
-    varlen_warps(settings)
+    for name in SETTINGS:
+        setting(name, settings)
     _forced_partition(settings)
 
 
