@@ -2,10 +2,10 @@
 
 `test_every_kernel_compiles_without_hot_spills` compiles every `cuda/csrc/*.cu` to cubins for
 sm_80 and sm_90 with `-Xptxas -v` and fails if a hot kernel (decode, varlen) spills to local
-memory. By default it compiles the reduced head-size set (64 and 128: every dtype, every GQA
-group tile, every kernel and copy unit, but not head sizes 80, 96, 112, 192, 256), which takes
-about a minute on 2 cores; `PAGED_KERNELS_FULL_CUDA_CHECK=1` compiles every instantiation
-(about 2 minutes of 2 idle cores per architecture). Skipped when nvcc is absent.
+memory. It compiles every instantiation, every head size included (36 s on 2 idle cores; only
+head sizes 96, 112 and 192 showed the spills of a fully unrolled copy loop in session 4);
+`PAGED_KERNELS_FULL_CUDA_CHECK=0` compiles the reduced set (head sizes 64 and 128: every dtype,
+GQA group tile, kernel and copy unit; 12 s). Skipped when nvcc is absent.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_H
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[build.KernelReport]:
-    full = os.environ.get(FULL_ENV) == "1"
+    full = os.environ.get(FULL_ENV, "1") != "0"
     jobs = max(2, min(8, os.cpu_count() or 2))
     return build.compile_cubins(tmp_path_factory.mktemp("cubins"), ("80", "90"),
                                 reduced=not full, jobs=jobs)
@@ -45,7 +45,7 @@ def test_every_kernel_compiles_without_hot_spills(reports) -> None:
 
 @needs_nvcc
 def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
-    full = os.environ.get(FULL_ENV) == "1"
+    full = os.environ.get(FULL_ENV, "1") != "0"
     head_sizes = ops.HEAD_SIZES if full else ops.REDUCED_HEAD_SIZES
     compiled = {(r.arch, r.name.split("(")[0].replace("void ", "")) for r in reports}
     wanted = set()
