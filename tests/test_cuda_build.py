@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,66 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_H
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> list[build.KernelReport]:
+def cubin_dir(tmp_path_factory) -> Path:
+    """Where `reports` leaves the cubins (`<source stem>.sm<arch>.cubin`)."""
+    return tmp_path_factory.mktemp("cubins")
+
+
+@pytest.fixture(scope="module")
+def reports(cubin_dir) -> list[build.KernelReport]:
     full = os.environ.get(FULL_ENV, "1") != "0"
     jobs = max(2, min(8, os.cpu_count() or 2))
-    return build.compile_cubins(tmp_path_factory.mktemp("cubins"), ("80", "90"),
-                                reduced=not full, jobs=jobs)
+    return build.compile_cubins(cubin_dir, ("80", "90"), reduced=not full, jobs=jobs)
+
+
+def _cuobjdump() -> str | None:
+    """CUDA's cuobjdump, else the one Triton's wheel carries (a dev dependency), else None."""
+    import shutil
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    bundled = Path(list(spec.submodule_search_locations)[0]) / "backends/nvidia/bin/cuobjdump"
+    return str(bundled) if bundled.exists() else None
+
+
+def _sass_by_function(cubin: Path) -> dict[str, str]:
+    """Mangled kernel name -> its SASS, from `cuobjdump --dump-sass`."""
+    import subprocess
+
+    text = subprocess.run([_cuobjdump(), "--dump-sass", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout
+    parts = re.split(r"^\s*Function : (\S+)\s*$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+@needs_nvcc
+@pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA's or Triton's)")
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_hot_kernels_use_the_instructions_they_were_written_for(reports, cubin_dir, arch):
+    """The SASS of every 16-bit decode and varlen kernel: K/V arrive by 16-byte cp.async that
+    bypasses L1 (LDGSTS.E.BYPASS.128), operands by ldmatrix (LDSM, V transposed), products on
+    tensor cores (HMMA.16816, float32 accumulators), nothing in local memory (LDL/STL); the
+    decode kernel's L2 prefetch is one bulk prefetch per row on sm_90 (UBLKPF.L2) and line
+    prefetches on sm_80 (CCTL.E.PF2)."""
+    checked = 0
+    for dtype in ("f16", "bf16"):
+        for name, sass in _sass_by_function(cubin_dir / f"pk_attention_{dtype}.sm{arch}.cubin"
+                                            ).items():
+            decode = "pk_decode_mma_kernel" in name
+            if not (decode or "pk_varlen_mma_async_kernel" in name):
+                continue
+            checked += 1
+            for want in ("LDGSTS.E.BYPASS.128", "LDSM.16.M88.4", "LDSM.16.MT88.4",
+                         "HMMA.16816.F32"):
+                assert want in sass, f"{name} sm_{arch}: no {want}"
+            assert not re.search(r"\b(LDL|STL)\b", sass), f"{name} sm_{arch}: local memory"
+            if decode:
+                assert ("UBLKPF.L2" if arch == "90" else "CCTL.E.PF2") in sass, name
+    assert checked >= 8, f"only {checked} kernels found in the sm_{arch} cubins"
 
 
 @needs_nvcc
