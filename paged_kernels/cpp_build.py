@@ -12,12 +12,15 @@ on every CPU that has the features its name was keyed on.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -85,13 +88,40 @@ def load(source: Path, prefix: str, cflags: list[str], what: str) -> ModuleType:
     if not any(build_dir.glob(f"{name}*.so")):
         print(f"{what}: compiling {source.name} ({' '.join(cflags)}), once per machine (~30 s)",
               file=sys.stderr, flush=True)
-    try:
-        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
-                                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # the compiler's output is in the message
-        raise BuildFailed(f"building {source} failed: {exc}") from exc
+    with _exclusive(build_dir.parent / f".{name}.flock"):
+        _drop_stale_baton(build_dir)
+        try:
+            module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
+                                        extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as exc:  # the compiler's output is in the message
+            raise BuildFailed(f"building {source} failed: {exc}") from exc
     _modules[key] = module
     return module
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Holds an exclusive `flock` on `path` (created if missing) for the block. The kernel
+    releases it when its process dies, however it dies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _drop_stale_baton(build_dir: Path) -> None:
+    """Removes torch's build lock (`build_dir/lock`, a file whose mere existence makes every
+    later load of the extension wait for ever) when it is stale. Called under `_exclusive`, which
+    every build of ours holds, so a `lock` found then was left by a process killed mid-build
+    (seen: a test run cut by its timeout hung the next run's first load of the extension)."""
+    baton = build_dir / "lock"
+    if baton.exists():
+        print(f"paged_kernels: removing {baton}, left by a build that was killed",
+              file=sys.stderr, flush=True)
+        baton.unlink(missing_ok=True)
 
 
 def load_library(source: Path, prefix: str, cflags: list[str], what: str) -> ctypes.CDLL:

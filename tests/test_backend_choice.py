@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -22,7 +23,9 @@ def test_auto_on_cpu_loads_nothing_past_its_choice():
         chosen = backends.resolve_backend("auto", q.device)
         print(chosen.name, sorted(backends._instances))
     """)
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    # a minimal environment, but the same HOME (so the same build cache) as the test run
+    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT),
+           "HOME": os.environ.get("HOME", str(Path.home()))}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -27,3 +27,26 @@ def test_engine_kernels_share_the_scalar_header():
     csrc = Path(__file__).resolve().parent.parent / "engine" / "csrc"
     for name in ("quant_matmul.cpp", "int8_matmul.cpp"):
         assert [p.name for p in local_headers(csrc / name)] == ["gguf_scalars.h"]
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path: Path):
+    """torch waits for ever while its build lock file exists; a build killed mid-way leaves
+    one. `load` holds its own flock (released when a process dies) and, under it, removes the
+    stale file: a fresh process loads the extension at once."""
+    import subprocess
+    import sys
+
+    from torch.utils import cpp_extension
+
+    from cpu_impl import build
+
+    build.load()  # built (or found) once
+    name = build.extension_name(build.compile_flags(build.cpu_flags()))
+    baton = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    baton.touch()
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", "from cpu_impl import build; build.load()"],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "left by a build that was killed" in proc.stderr
+    assert not baton.exists()
