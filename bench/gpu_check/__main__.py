@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,9 +30,9 @@ import torch
 
 from bench import kernels
 from bench.gpu_check import report, tuning
+from bench.gpu_check.logged import run_logged
 from bench.timing import median_seconds
 
-ROOT = Path(__file__).resolve().parents[2]
 
 FULL = {"dtype": torch.bfloat16, "quick": False, "repeat": 10,
         "flex": [(32, 1024), (32, 4096), (32, 16384)],
@@ -62,18 +61,6 @@ def environment() -> dict:
     return env
 
 
-def run_logged(cmd: list[str], log: Path, timeout: int, env: dict) -> dict:
-    """Runs `cmd` with output to `log`; returns rc (124 on timeout) and seconds."""
-    start = time.time()
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                                cwd=ROOT, env=env).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    return {"rc": rc, "seconds": round(time.time() - start, 1), "log": log.name}
-
-
 def build_cuda(out: Path, timeout: int, env: dict) -> dict:
     """Builds the CUDA extension into a temporary folder and points the loader at it."""
     if timeout <= 0 or not torch.cuda.is_available():
@@ -83,10 +70,11 @@ def build_cuda(out: Path, timeout: int, env: dict) -> dict:
     cmd = [sys.executable, "-m", "cuda.paged_cuda.build", "--out", str(ext_dir),
            "--archs", f"{major}{minor}", "-j", str(os.cpu_count() or 8)]
     result = run_logged(cmd, out / "build.log", timeout, env)
+    text = result.pop("text")
     if result["rc"] == 0:
         env["PAGED_KERNELS_CUDA_EXT_DIR"] = str(ext_dir)
         os.environ["PAGED_KERNELS_CUDA_EXT_DIR"] = str(ext_dir)
-    result["ptxas"] = report.ptxas_summary((out / "build.log").read_text(errors="replace"))
+    result["ptxas"] = report.ptxas_summary(text)
     return result
 
 
@@ -99,7 +87,7 @@ def conformance(out: Path, timeout: int, smoke: bool, env: dict) -> dict:
     elif importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", "8"]
     result = run_logged(cmd, out / "conformance.log", timeout, env)
-    text = (out / "conformance.log").read_text(errors="replace")
+    text = result.pop("text")
     result["by_backend"] = report.count_outcomes(text)
     result["failures"] = re.findall(r"^(?:\[gw\d+\] )?(?:FAILED|ERROR) (\S+)", text, re.M)[:20] \
         or re.findall(r"(\S+) (?:FAILED|ERROR)", text)[:20]

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench import tune_verdict
+from bench.gpu_check.logged import run_logged
 
-ROOT = Path(__file__).resolve().parents[2]
 SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 #: What a step needs at least; with less time left before the deadline it is skipped.
 MIN_STEP_SECONDS = 15
@@ -68,22 +67,11 @@ def _remaining(deadline: float) -> float:
 def _pytest(args: list[str], extra_env: dict[str, str], log: Path, title: str,
             timeout: float, env: dict) -> dict:
     """Runs pytest with `extra_env`, appending its output under a title line to `log`."""
-    start = time.time()
-    with open(log, "a") as f:
-        f.write(f"\n===== {title} =====\n")
-        f.flush()
-        try:
-            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                   *args], cwd=ROOT, env={**env, **extra_env}, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  timeout=timeout)
-            rc, text = proc.returncode, proc.stdout
-        except subprocess.TimeoutExpired as exc:
-            rc = 124
-            text = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else \
-                (exc.stdout or "")
-        f.write(text)
-    return {"rc": rc, "seconds": round(time.time() - start, 1), **outcome_counts(text)}
+    run = run_logged([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                     log, timeout, {**env, **extra_env}, title=title)
+    text = run.pop("text")
+    run.pop("log")
+    return {**run, **outcome_counts(text)}
 
 
 def settings_conformance(out: Path, deadline: float, smoke: bool, env: dict) -> list[dict]:
@@ -121,16 +109,10 @@ def tune(out: Path, deadline: float, smoke: bool, env: dict) -> dict:
     if left < MIN_STEP_SECONDS:
         return {"skipped": "out of time"}
     rows_file = Path(tempfile.mkdtemp(prefix="pk_tune_")) / "tune.json"
-    start = time.time()
-    with open(out / "tune.log", "w") as f:
-        try:
-            rc = subprocess.run([sys.executable, "-m", "bench.tune_decode", "--out",
-                                 str(rows_file)], cwd=ROOT, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, timeout=left).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
+    run = run_logged([sys.executable, "-m", "bench.tune_decode", "--out", str(rows_file)],
+                     out / "tune.log", left, env)
     rows = json.loads(rows_file.read_text()) if rows_file.exists() else []
-    return {"rc": rc, "seconds": round(time.time() - start, 1), "rows": rows,
+    return {"rc": run["rc"], "seconds": run["seconds"], "rows": rows,
             "verdict": tune_verdict.verdict(rows)}
 
 
