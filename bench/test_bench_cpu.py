@@ -1,25 +1,29 @@
 """The cpu backend against the reference on the CPU, at the engine's decode shape (SmolLM2-135M:
 9 query heads, 3 KV heads, head size 64, bf16, block size 16; 16 sequences x 300 tokens, and one
-sequence x 300) and a 256-token prefill, at 1 and 2 threads. Prints the fastest and the median ms per call of 30 (the
-fastest is the stable figure on a shared machine); no speed assertion (docs/cpu.md).
+sequence x 300) and a 256-token prefill, at 1 and 2 threads, as a pytest-benchmark suite (one
+group per shape and thread count, the two backends side by side); and a decode step of 30 layers
+in the engine's cache layout, without and with the kernel's K/V read-ahead. No speed assertion
+(docs/cpu.md); the engine-layout step checks its output against `paged_attention`.
 
-    python -m pytest bench/test_bench_cpu.py -q -s
-    python bench/test_bench_cpu.py            # the same table without pytest
+    python -m pytest bench/test_bench_cpu.py --benchmark-only --benchmark-columns=min,median
+    python bench/test_bench_cpu.py            # the fastest and median ms of 30 calls, as a table
     python -m bench.test_bench_cpu --against OLD.cpp   # same-process A/B of two kernel sources
 
 `--against` compiles each given `paged_attention.cpp` beside the current one and times them in
 turn in one process, 1 thread, the thread's CPU time (other processes on the cores change it
 less than wall time): a decode step of 16 x 320 over 30 layers' caches laid out as the engine
 lays them out (KVCache pool, prompt blocks contiguous per sequence, decode blocks interleaved),
-without and with `layer_ops.warm_blocks` before each call, and a 5 x 256 causal prefill.
+without and with the kernel's K/V read-ahead, and a 5 x 256 causal prefill.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -27,6 +31,7 @@ import pytest
 import torch
 
 from bench.shapes import make_problem
+from cpu_impl.backend import QUERY_TILE
 from paged_kernels import available_backends, paged_attention
 
 SHAPES = {  # name -> (batch, context, q_len)
@@ -41,39 +46,59 @@ COLD_LAYERS = 30
 HEADS = {"num_heads": 9, "num_kv_heads": 3, "head_size": 64, "block_size": 16}
 
 
-def ms_per_call(shape: str, backend: str, threads: int, dtype: torch.dtype,
-                repeat: int = 30) -> tuple[float, float]:
-    """(fastest, median) milliseconds of one `paged_attention` call with `threads` torch threads."""
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """`n` torch threads inside the block; the previous count is restored after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def attention_call(shape: str, backend: str, dtype: torch.dtype) -> Callable[[], None]:
+    """A function that makes one `paged_attention` call on `shape` per invocation; a "-cold"
+    shape cycles over COLD_LAYERS distinct problems, one per call."""
     batch, context, q_len = SHAPES[shape]
     layers = COLD_LAYERS if shape.endswith("-cold") else 1
     problems = [make_problem(batch, context, q_len, dtype=dtype, device="cpu", **HEADS)
                 for _ in range(layers)]
     out = torch.empty_like(problems[0].query)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    calls = itertools.count()
+
+    def call() -> None:
+        p = problems[next(calls) % layers]
+        paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens,
+                        cu_seqlens_q=p.cu_seqlens_q, out=out, backend=backend)
+    return call
+
+
+def ms_per_call(shape: str, backend: str, threads: int, dtype: torch.dtype,
+                repeat: int = 30) -> tuple[float, float]:
+    """(fastest, median) milliseconds of one `paged_attention` call with `threads` torch threads."""
+    call = attention_call(shape, backend, dtype)
     times = []
-    try:
+    with torch_threads(threads):
         for i in range(repeat + 3):
-            p = problems[i % layers]
             start = time.perf_counter()
-            paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens,
-                            cu_seqlens_q=p.cu_seqlens_q, out=out, backend=backend)
+            call()
             if i >= 3:  # warm-up calls excluded
                 times.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
     times.sort()
     return 1e3 * times[0], 1e3 * times[len(times) // 2]
 
 
 @pytest.mark.skipif("cpu" not in available_backends(), reason="cpu backend unavailable")
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_cpu_vs_reference(shape: str, threads: int) -> None:
-    cpu = ms_per_call(shape, "cpu", threads, torch.bfloat16)
-    ref = ms_per_call(shape, "reference", threads, torch.bfloat16)
-    print(f"\n{shape} bf16 threads={threads}: cpu {cpu[0]:.3f} ms (median {cpu[1]:.3f}), "
-          f"reference {ref[0]:.3f} ms (median {ref[1]:.3f}), speed-up {ref[0] / cpu[0]:.1f}x")
+def test_attention(benchmark, shape: str, threads: int, backend: str) -> None:
+    """One `paged_attention` call of `backend` on `shape` in bf16, 30 rounds after 3 warm-ups."""
+    call = attention_call(shape, backend, torch.bfloat16)
+    benchmark.group = f"{shape} bf16 threads={threads}"
+    with torch_threads(threads):
+        benchmark.pedantic(call, rounds=30, warmup_rounds=3, iterations=1)
 
 
 class EngineDecode:
@@ -101,27 +126,24 @@ class EngineDecode:
         for block, (s, b) in enumerate(order):
             self.tables[s, b] = block
         self.lens = context - torch.arange(batch, dtype=torch.int32) % 3
-        self.kv_blocks = self.tables.flatten().to(torch.int64)
         self.queries = [torch.randn(batch, h["num_heads"], h["head_size"]).to(torch.bfloat16)
                         for _ in range(layers)]
         self.out = torch.empty_like(self.queries[0])
 
-    def step(self, ext: ModuleType, warm: bool) -> None:
-        """Every layer's decode attention through the compiled module `ext` (1 thread)."""
-        from engine.model import layer_ops
+    def step(self, ext: ModuleType, read_ahead: bool) -> None:
+        """Every layer's decode attention through the compiled module `ext` (1 thread), with or
+        without the kernel's K/V read-ahead."""
         scale = HEADS["head_size"] ** -0.5
         for q, (k, v) in zip(self.queries, self.kv.device_caches):
-            if warm:
-                layer_ops.warm_blocks(k, v, self.kv_blocks)
             ext.paged_attention(q, k, v, self.tables, self.lens, None, self.out, None, None, scale,
-                                0, 0.0, 16, 1)
+                                0, 0.0, QUERY_TILE, 1, read_ahead)
 
 
 def compiled(sources: Sequence[Path]) -> dict[str, ModuleType]:
     """The current kernel ("current") and one module per other source file (by file stem)."""
     from cpu_impl import build
     from paged_kernels import cpp_build
-    flags = build.compile_flags(build.cpu_flags())
+    flags = build.compile_flags()
     mods = {"current": build.load()}
     for src in sources:
         mods[src.stem] = cpp_build.load(src, "pk_cpu_ab_" + src.stem, flags, src.stem)
@@ -130,18 +152,14 @@ def compiled(sources: Sequence[Path]) -> dict[str, ModuleType]:
 
 def ab_decode_ms(mods: dict[str, ModuleType], case: EngineDecode,
                  rounds: int = 12) -> dict[tuple[str, bool], float]:
-    """Median thread-CPU ms of `case.step` per (module name, warm), the modules in turn."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    """Median thread-CPU ms of `case.step` per (module name, read-ahead), the modules in turn."""
     times: dict[tuple[str, bool], list[float]] = {(n, w): [] for n in mods for w in (False, True)}
-    try:
+    with torch_threads(1):
         for _ in range(rounds):
-            for (name, warm), taken in times.items():
+            for (name, read_ahead), taken in times.items():
                 start = time.thread_time()
-                case.step(mods[name], warm)
+                case.step(mods[name], read_ahead)
                 taken.append(time.thread_time() - start)
-    finally:
-        torch.set_num_threads(previous)
     return {key: 1e3 * statistics.median(t) for key, t in times.items()}
 
 
@@ -151,29 +169,31 @@ def ab_prefill_ms(mods: dict[str, ModuleType], seqs: int = 5, length: int = 256,
     p = make_problem(seqs, length, length, dtype=torch.bfloat16, device="cpu", **HEADS)
     out = torch.empty_like(p.query)
     scale = HEADS["head_size"] ** -0.5
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
     times: dict[str, list[float]] = {n: [] for n in mods}
-    try:
+    with torch_threads(1):
         for _ in range(rounds):
             for name, ext in mods.items():
                 start = time.thread_time()
                 ext.paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables,
                                     p.seq_lens, p.cu_seqlens_q, out, None, None, scale, 0, 0.0,
-                                    16, 1)
+                                    QUERY_TILE, 1, False)
                 times[name].append(time.thread_time() - start)
-    finally:
-        torch.set_num_threads(previous)
     return {n: 1e3 * statistics.median(t) for n, t in times.items()}
 
 
 @pytest.mark.skipif("cpu" not in available_backends(), reason="cpu backend unavailable")
-def test_engine_decode_case_matches_the_api() -> None:
-    """The A/B harness calls the extension as the backend does: its output equals
-    `paged_attention(..., backend="cpu")` on the same inputs, and every timing is there."""
-    case = EngineDecode(batch=3, context=40, layers=2)
+@pytest.mark.parametrize("read_ahead", [False, True], ids=["plain", "read_ahead"])
+def test_engine_decode_step(benchmark, read_ahead: bool) -> None:
+    """A decode step's attention (16 x 320, 30 layers, 1 thread) in the engine's cache layout, as
+    `--against` times it. The harness calls the extension as the backend does: the last layer's
+    output equals `paged_attention(..., backend="cpu")` on the same inputs, and the A/B timing
+    returns a time for every (module, read-ahead)."""
+    case = EngineDecode()
     mods = compiled([])
-    case.step(mods["current"], warm=True)  # the last layer's output stays in case.out
+    benchmark.group = "engine decode step 16x320, 30 layers, 1 thread"
+    with torch_threads(1):
+        benchmark.pedantic(case.step, args=(mods["current"], read_ahead), rounds=12,
+                           warmup_rounds=1, iterations=1)
     k, v = case.kv.device_caches[-1]
     want = paged_attention(case.queries[-1], k, v, case.tables, case.lens, backend="cpu")
     assert torch.equal(case.out, want)
@@ -186,7 +206,7 @@ def print_ab(sources: Sequence[Path]) -> None:
     case = EngineDecode()
     decode = ab_decode_ms(mods, case)
     prefill = ab_prefill_ms(mods)
-    print("| kernel | decode 16x320, 30 layers, ms a step | with warm_blocks | prefill 5x256 ms |")
+    print("| kernel | decode 16x320, 30 layers, ms a step | with read-ahead | prefill 5x256 ms |")
     print("| --- | --- | --- | --- |")
     for name in mods:
         print(f"| {name} | {decode[name, False]:.2f} | {decode[name, True]:.2f} | "

@@ -6,22 +6,25 @@ from memory, as in a decode step: each timed sweep runs the 30 layers' weights i
 head, ~30 MB quantized, is swept twice per measurement). Quantized and dense sweeps alternate, so
 both see the same machine load. No speed assertion (docs/quant.md).
 
-    python -m bench.test_bench_quant --threads 2 --out bench/results/quant_linear.json
-    python -m pytest bench/test_bench_quant.py -q -s     # the same table, M in 1 2 4 8 16
+    python -m bench.test_bench_quant --threads 2 --out quant_linear.json
+    python -m pytest bench/test_bench_quant.py --benchmark-only   # M in 1 2 4 8 16, one group per
+                                                                  # projection and M
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 from typing import Any, Callable
 
+import pytest
 import torch
 
+from engine.model.checkpoint_names import fused_parts
 from engine.model.gguf_reader import gguf_blocks, gguf_config, gguf_metadata, open_gguf
-from engine.model.llama import fused_parts
 from engine.model.loader import default_model_path
 from engine.model.quant import GGUFBlocks, quantized_linear
 
@@ -51,6 +54,12 @@ def dense_weight(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         return w
 
 
+@functools.lru_cache(maxsize=None)
+def dense_weights(shape: tuple[int, int], count: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """`count` packed random weights of `shape`, made once per process and reused for every M."""
+    return [dense_weight(shape, dtype) for _ in range(count)]
+
+
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
@@ -65,22 +74,35 @@ def sweep_seconds(fn: Callable[[int], Any], count: int) -> float:
     return (time.perf_counter() - start) / count
 
 
+def sweep_count(blocks: list[GGUFBlocks]) -> int:
+    """Calls in one sweep: one per layer's weight; the head's single weight twice."""
+    return len(blocks) * (2 if len(blocks) == 1 else 1)
+
+
+def projection_call(path: str, blocks: list[GGUFBlocks], m: int,
+                    dtype: torch.dtype) -> tuple[Callable[[int], Any], int]:
+    """(fn, weight bytes): `fn(i)` multiplies `m` random rows by weight i (cycling over the
+    layers) on `path` ("quant": the GGUF blocks; "dense": packed weights of the same shape)."""
+    rows, cols = blocks[0].shape
+    x = torch.randn(m, cols).to(dtype)
+    if path == "quant":
+        return (lambda i: quantized_linear(x, blocks[i % len(blocks)])), blocks[0].data.numel()
+    dense = dense_weights((rows, cols), len(blocks), dtype)
+    return (lambda i: dense_linear(x, dense[i % len(dense)])), rows * cols * dtype.itemsize
+
+
 def measure(name: str, blocks: list[GGUFBlocks], m: int, dtype: torch.dtype,
             repeat: int) -> dict[str, Any]:
     """One row of the table: quantized vs dense at `m` rows for projection `name`."""
     rows, cols = blocks[0].shape
-    dense = [dense_weight((rows, cols), dtype) for _ in blocks]
-    x = torch.randn(m, cols).to(dtype)
-    count = len(blocks) * (2 if len(blocks) == 1 else 1)
+    count = sweep_count(blocks)
+    quant_fn, quant_bytes = projection_call("quant", blocks, m, dtype)
+    dense_fn, dense_bytes = projection_call("dense", blocks, m, dtype)
     runs: dict[str, list[float]] = {"quant": [], "dense": []}
-    quant_fn = lambda i: quantized_linear(x, blocks[i % len(blocks)])  # noqa: E731
-    dense_fn = lambda i: dense_linear(x, dense[i % len(dense)])  # noqa: E731
     sweep_seconds(quant_fn, count), sweep_seconds(dense_fn, count)  # warm-up
     for _ in range(repeat):
         runs["quant"].append(sweep_seconds(quant_fn, count))
         runs["dense"].append(sweep_seconds(dense_fn, count))
-    quant_bytes = blocks[0].data.numel()
-    dense_bytes = rows * cols * torch.finfo(dtype).bits // 8
     q, d = statistics.median(runs["quant"]), statistics.median(runs["dense"])
     return {"projection": name, "qtype": blocks[0].qtype, "rows": rows, "cols": cols, "M": m,
             "quant_us": q * 1e6, "quant_us_min": min(runs["quant"]) * 1e6,
@@ -124,10 +146,28 @@ def per_token_ms(rows: list[dict[str, Any]], layers: int = 30) -> dict[int, dict
     return out
 
 
-def test_quant_vs_dense() -> None:
-    rows = run([1, 2, 4, 8, 16], torch.get_num_threads(), torch.bfloat16, repeat=3)
-    for m, t in per_token_ms(rows).items():
-        print(f"M={m}: step matmuls quant {t['quant_ms']:.2f} ms, dense {t['dense_ms']:.2f} ms")
+@pytest.fixture(scope="module")
+def blocks() -> dict[str, list[GGUFBlocks]]:
+    return model_blocks()[0]
+
+
+@pytest.mark.parametrize("path", ["quant", "dense"])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("name", SHAPES)
+def test_projection(benchmark, blocks: dict[str, list[GGUFBlocks]], name: str, m: int,
+                    path: str) -> None:
+    """One sweep of projection `name` over its weights (the 30 layers'; the head's twice) at `m`
+    bf16 rows on `path`; `extra_info` holds the microseconds per call and the weights' GB/s."""
+    fn, nbytes = projection_call(path, blocks[name], m, torch.bfloat16)
+    count = sweep_count(blocks[name])
+    benchmark.group = f"{name} M={m}"
+    benchmark.pedantic(sweep_seconds, args=(fn, count), rounds=5, warmup_rounds=1, iterations=1)
+    benchmark.extra_info.update({"projection": name, "qtype": blocks[name][0].qtype, "M": m,
+                                 "path": path, "calls_per_sweep": count})
+    if benchmark.enabled:
+        per_call = benchmark.stats.stats.median / count
+        benchmark.extra_info.update({"us_per_call": per_call * 1e6,
+                                     "GBps": nbytes / per_call / 1e9})
 
 
 def main() -> None:
