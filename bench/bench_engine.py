@@ -17,7 +17,9 @@ few engine decode steps.
 `--repeats N` runs N engine / transformers pairs on fresh prompts and reports each and the median
 ratio (on a shared machine the load drifts during a run).
 
-Results are written as JSON under bench/results/.
+The report is written as JSON to `--out`, by default into the measurement's folder
+bench/results/<date>-engine/ (bench/README.md: a folder's README gives the command, the machine,
+the commit and the numbers).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="engine / transformers pairs on fresh prompts; the median ratio is "
                         "reported (steadier on a shared machine)")
-    p.add_argument("--out", default=None, help="JSON path (default: bench/results/...)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: bench/results/<date>-engine/...)")
     return p.parse_args(argv)
 
 
@@ -238,8 +241,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 run["speedup_median"] = statistics.median(p["speedup"] for p in pairs)
         report["runs"].append(run)
         print(json.dumps(run, indent=1), flush=True)
+    now = dt.datetime.now()
     out = args.out or os.path.join(
-        RESULTS_DIR, f"engine_{args.dtype}_{dt.datetime.now():%Y%m%d_%H%M%S}.json")
+        RESULTS_DIR, f"{now:%Y-%m-%d}-engine", f"engine_{args.dtype}_{now:%Y%m%d_%H%M%S}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=1)

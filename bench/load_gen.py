@@ -2,7 +2,7 @@
 vLLM, llama.cpp's server, ...).
 
     python -m bench.load_gen --base-url http://127.0.0.1:8000 --concurrency 16 \\
-        --num-prompts 32 --prompt-len 256 --output-len 128 --output bench/results/x.json
+        --num-prompts 32 --prompt-len 256 --output-len 128 --output run.json
 
 Arrivals: `--concurrency N` keeps N requests in flight; `--rate R` sends Poisson arrivals at R
 requests/s (with `--concurrency` as an optional cap). Lengths: fixed (`--prompt-len`,

@@ -4,7 +4,7 @@ the engine's own tokens, how many nats below its own choice transformers rates e
 engine picked (0 where they agree; a near-tie where small).
 
     python -m bench.quant_accuracy --settings float32:gguf float32:gguf-int8 \\
-        bfloat16:auto bfloat16:gguf-int8 --tokens 48 --out bench/results/quant_accuracy.json
+        bfloat16:auto bfloat16:gguf-int8 --tokens 48 --out quant_accuracy.json
 
 Needs `transformers` and `gguf` (the test extras). Runs on one thread.
 """
