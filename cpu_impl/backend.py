@@ -5,6 +5,11 @@ Every dtype, head size, block size and feature of the ABI; strided caches and `o
 scans the lengths and the block-table entries it will read before any work (microseconds on the
 CPU, no device to synchronise with) and, when they break the ABI's rules, this backend raises the
 ABI's own ValueError: a bad block id can neither crash nor silently produce numbers.
+
+A decode call (`cu_seqlens_q` None) first reads the K/V blocks each sequence will read into the
+CPU's caches, in order (csrc/read_ahead.h): in decode the K/V comes from memory, and one
+sequential sweep is faster than the kernel's scattered loads (docs/cpu.md). `read_ahead = False`
+(this module's) turns it off.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ SUPPORT = Support(
 #: Query rows per work item in prefill/varlen (times the GQA group size = rows sharing each K/V
 #: row read); decode always uses 1.
 QUERY_TILE = 16
+#: Whether a decode call sweeps its K/V blocks into the CPU's caches before the attention (read at
+#: every call).
+read_ahead = True
 
 
 class CpuBackend(Backend):
@@ -60,7 +68,7 @@ class CpuBackend(Backend):
             p.out, p.lse, p.alibi_slopes, p.scale,
             0 if p.sliding_window is None else p.sliding_window,
             0.0 if p.soft_cap is None else p.soft_cap,
-            QUERY_TILE, torch.get_num_threads())
+            QUERY_TILE, torch.get_num_threads(), read_ahead)
         if not done:  # the kernel's content scan failed: raise the ABI's own message
             check_attention_contents(p)
             raise AssertionError("cpu kernel rejected contents that check_attention_contents "

@@ -1,44 +1,35 @@
 """Compiles the engine's quantized matmuls at first use, as plain shared libraries (no torch
-headers: a build takes seconds), through the build helper the `cpu` attention backend shares
+headers: a build takes seconds), through the build helper every C++ build shares
 (`paged_kernels.cpp_build`), and wraps them for tensors: `QuantKernel`
 (`engine/csrc/quant_matmul.cpp`, float activations) and `Int8Kernel`
 (`engine/csrc/int8_matmul.cpp`, int8 activations, AVX-512 VNNI).
 
-Flags: `-O3`, OpenMP, and the AVX-512 set the kernel's SIMD path needs (`-mavx512f -mavx512bw
--mavx512vl -mfma -mf16c`) only when /proc/cpuinfo lists every one of them, plus `-mavx512bf16`
-for the bf16 dot-product path when it lists `avx512_bf16`; elsewhere the portable C++ path is
-compiled (never `-march=native`, so the cached build runs on every CPU its name was keyed on).
+SIMD tiers (`TIERS`, `INT8_TIERS`): the quantized matmul's AVX-512 path (F/BW/VL, FMA, F16C), with
+the bf16 dot-product path on top when the CPU has AVX-512 BF16; the int8 kernel's AVX-512 VNNI
+path (which also needs BF16, FMA and F16C). Elsewhere the portable C++ path is compiled.
 """
 
 from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from paged_kernels.cpp_build import BuildFailed, cpu_flags, load_library
+from paged_kernels.cpp_build import BuildFailed, compile_flags, load_library
 
-if TYPE_CHECKING:
-    from engine.model.quant import GGUFBlocks
-
-__all__ = ["SOURCE", "INT8_SOURCE", "BuildFailed", "QuantKernel", "Int8Kernel", "compile_flags",
-           "int8_compile_flags", "load_quant", "load_int8"]
+__all__ = ["SOURCE", "INT8_SOURCE", "TIERS", "INT8_TIERS", "BuildFailed", "QuantKernel",
+           "Int8Kernel", "load_quant", "load_int8"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_matmul.cpp"
 INT8_SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_matmul.cpp"
-#: /proc/cpuinfo flag -> compiler flag, for the kernel's AVX-512 path.
-_SIMD = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
-         "fma": "-mfma", "f16c": "-mf16c"}
-#: On top of _SIMD: the bfloat16 dot-product path for bf16 activations (Zen 4, Sapphire Rapids).
-_BF16 = {"avx512_bf16": "-mavx512bf16"}
+#: The quantized matmul's SIMD tiers (paged_kernels.cpp_build.ISA): its AVX-512 path, with the
+#: bfloat16 dot-product path for bf16 activations (Zen 4, Sapphire Rapids) where the CPU has it.
+TIERS = ("avx512 + fma + f16c + bf16", "avx512 + fma + f16c")
+#: The int8 kernel's SIMD path: VNNI dot products, bf16 output conversion, f16 scales.
+INT8_TIERS = ("avx512 + vnni + bf16 + fma + f16c",)
 #: The kernel's codes for the block formats.
 _QTYPES = {"Q4_1": 0, "Q8_0": 1}
-#: The int8 kernel's SIMD path: VNNI dot products, bf16 output conversion, f16 scales.
-_INT8_SIMD = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
-              "avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16", "fma": "-mfma",
-              "f16c": "-mf16c"}
 #: The kernels built in this process, per (source, flags).
 _kernels: dict[tuple[str, ...], object] = {}
 
@@ -65,33 +56,26 @@ class QuantKernel:
         self.simd_paths: str = library.quant_simd_paths().decode()
         """The code paths compiled in: "avx512,bf16-dot", "avx512" or "portable"."""
 
-    def matmul(self, x: torch.Tensor, blocks: "GGUFBlocks", threads: int) -> torch.Tensor:
-        """`x @ W.T` for contiguous `x` `[M, blocks.cols]` (float32 or bfloat16) on `threads`
-        OpenMP threads; `[M, rows]` in x's dtype. The call releases the GIL (ctypes)."""
-        y = torch.empty(x.shape[0], blocks.data.shape[0], dtype=x.dtype)
-        failed = self._matmul(x.data_ptr(), x.dtype == torch.bfloat16, blocks.data.data_ptr(),
-                              _QTYPES[blocks.qtype], y.data_ptr(), x.shape[0],
-                              blocks.data.shape[0], blocks.cols, threads)
+    def matmul(self, x: torch.Tensor, data: torch.Tensor, qtype: str,
+               threads: int) -> torch.Tensor:
+        """`x @ W.T` for contiguous `x` `[M, cols]` (float32 or bfloat16), W the `[rows, cols]`
+        weight whose GGUF blocks of format `qtype` are `data` (`GGUFBlocks.data`: uint8
+        `[rows, ...]`), on `threads` OpenMP threads; `[M, rows]` in x's dtype. The call releases
+        the GIL (ctypes)."""
+        y = torch.empty(x.shape[0], data.shape[0], dtype=x.dtype)
+        failed = self._matmul(x.data_ptr(), x.dtype == torch.bfloat16, data.data_ptr(),
+                              _QTYPES[qtype], y.data_ptr(), x.shape[0], data.shape[0],
+                              x.shape[1], threads)
         assert not failed, "quant_matmul refused inputs that GGUFBlocks accepted"
         return y
 
 
-def compile_flags(flags: frozenset[str]) -> list[str]:
-    """C++ flags for a CPU with feature `flags`: the AVX-512 path only when all of _SIMD are
-    present, else the portable path."""
-    base = ["-O3", "-fopenmp", "-std=c++17"]
-    if all(f in flags for f in _SIMD):
-        base += list(_SIMD.values())
-        base += [flag for f, flag in _BF16.items() if f in flags]
-    return base
-
-
 def load_quant(cflags: list[str] | None = None) -> QuantKernel:
-    """The quantized-matmul kernel built with `cflags` (default: this CPU's `compile_flags`),
-    compiled once per machine and flag set. Tests pass `compile_flags(frozenset())` for the
-    portable build. Raises BuildFailed when the compile fails."""
+    """The quantized-matmul kernel built with `cflags` (default: `compile_flags(TIERS)`, this
+    CPU's), compiled once per machine and flag set. Tests pass `compile_flags(TIERS, frozenset())`
+    for the portable build. Raises BuildFailed when the compile fails."""
     return _load(QuantKernel, SOURCE, "engine_quant", "engine quantized matmul",
-                 compile_flags(cpu_flags()) if cflags is None else cflags)
+                 compile_flags(TIERS) if cflags is None else cflags)
 
 
 class Int8Kernel:
@@ -114,12 +98,13 @@ class Int8Kernel:
         self.simd_paths: str = library.int8_simd_paths().decode()
         """The code path compiled in: "avx512-vnni" or "portable"."""
 
-    def pack(self, blocks: "GGUFBlocks", threads: int) -> torch.Tensor:
-        """The tiled form (uint8, 64-byte aligned start) of `blocks` (int8_matmul.cpp)."""
-        rows, cols = blocks.shape
-        size = self._packed_bytes(_QTYPES[blocks.qtype], rows, cols)
+    def pack(self, data: torch.Tensor, qtype: str, cols: int, threads: int) -> torch.Tensor:
+        """The tiled form (uint8, 64-byte aligned start) of the `[rows, cols]` weight whose GGUF
+        blocks of format `qtype` are `data` (`GGUFBlocks.data`; int8_matmul.cpp)."""
+        rows = data.shape[0]
+        size = self._packed_bytes(_QTYPES[qtype], rows, cols)
         out = _aligned_empty(size)
-        failed = self._pack(blocks.data.data_ptr(), _QTYPES[blocks.qtype], rows, cols,
+        failed = self._pack(data.data_ptr(), _QTYPES[qtype], rows, cols,
                             out.data_ptr(), threads)
         assert not failed, "int8_pack refused inputs that GGUFBlocks accepted"
         return out
@@ -156,17 +141,8 @@ def _aligned_empty(size: int, alignment: int = 64) -> torch.Tensor:
     return buffer[shift:shift + size]
 
 
-def int8_compile_flags(flags: frozenset[str]) -> list[str]:
-    """C++ flags for the int8 kernel on a CPU with feature `flags`: its AVX-512 VNNI path only
-    when all of `_INT8_SIMD` are present, else the portable path."""
-    base = ["-O3", "-fopenmp", "-std=c++17"]
-    if all(f in flags for f in _INT8_SIMD):
-        base += list(_INT8_SIMD.values())
-    return base
-
-
 def load_int8(cflags: list[str] | None = None) -> Int8Kernel:
-    """The int8 kernel built with `cflags` (default: this CPU's `int8_compile_flags`), compiled
-    once per machine and flag set. Raises BuildFailed when the compile fails."""
+    """The int8 kernel built with `cflags` (default: `compile_flags(INT8_TIERS)`, this CPU's),
+    compiled once per machine and flag set. Raises BuildFailed when the compile fails."""
     return _load(Int8Kernel, INT8_SOURCE, "engine_int8", "engine int8 matmul",
-                 int8_compile_flags(cpu_flags()) if cflags is None else cflags)
+                 compile_flags(INT8_TIERS) if cflags is None else cflags)

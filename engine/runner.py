@@ -66,17 +66,12 @@ def build_inputs(scheduled: list[tuple[Sequence, int]], block_tables: list[list[
     sampled = [i for i, (seq, _) in enumerate(scheduled) if ends[i] == seq.num_tokens]
     decode = bool((q_lens == 1).all())
     to = torch.device(device)
-    kv_blocks = None
-    if decode and to.type == "cpu":  # decode attention reads the whole context from memory
-        read = np.arange(max_blocks) < -(-seq_lens // block_size)[:, None]
-        kv_blocks = torch.from_numpy(tables[read].astype(np.int64))
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots).to(to),
         block_tables=torch.from_numpy(tables).to(to),
         seq_lens=torch.from_numpy(seq_lens).to(to),
         cu_seqlens_q=None if decode else torch.from_numpy(cu.astype(np.int32)).to(to),
         backend=backend,
-        kv_blocks=kv_blocks,
     )
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=to),

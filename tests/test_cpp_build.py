@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paged_kernels.cpp_build import extension_name, local_headers
+import pytest
+
+from paged_kernels.cpp_build import (
+    BASE_FLAGS,
+    ISA,
+    compile_flags,
+    extension_name,
+    local_headers,
+    simd_flags,
+)
 
 
 def test_build_key_covers_local_headers(tmp_path: Path):
@@ -21,6 +30,36 @@ def test_build_key_covers_local_headers(tmp_path: Path):
     assert extension_name("x", source, ["-O2"]) != key
     (tmp_path / "c.h").write_text('#include "a.h"\n// edited\n')
     assert extension_name("x", source, ["-O3"]) != key
+
+
+def test_flags_come_from_the_first_tier_the_cpu_has_completely():
+    """One table (ISA) maps each feature to its /proc/cpuinfo names and compiler flags; a tier's
+    flags come in the tier's order, and a CPU missing any name of a tier gets the next tier."""
+    tiers = ("avx512 + vnni", "avx2 + fma")
+    avx512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma"})
+    assert simd_flags(tiers, avx512) == ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+    assert simd_flags(tiers, avx512 - {"avx512bw"}) == ["-mavx2", "-mfma"]
+    assert simd_flags(tiers, frozenset({"avx2"})) == []
+    assert compile_flags(tiers, frozenset()) == list(BASE_FLAGS)
+    assert compile_flags(tiers, avx512)[:len(BASE_FLAGS)] == list(BASE_FLAGS)
+    assert all(not flag.startswith("-march") for _, flags in ISA.values() for flag in flags)
+    with pytest.raises(ValueError, match="sse9"):
+        simd_flags(("avx2 + sse9",), avx512)
+
+
+def test_every_builds_flags_come_from_the_table():
+    """The cpu backend, the engine's layer ops and its two matmul libraries choose their SIMD flags
+    through the one table: on a CPU with every feature each gets exactly its widest tier."""
+    from cpu_impl import build
+    from engine import native_build
+    from engine.model import layer_ops
+    everything = frozenset(name for names, _ in ISA.values() for name in names)
+    for tiers in (build.TIERS, native_build.TIERS, native_build.INT8_TIERS, layer_ops.TIERS):
+        widest = [f.strip() for f in tiers[0].split("+")]
+        assert simd_flags(tiers, everything) == [x for f in widest for x in ISA[f][1]]
+    assert build.compile_flags(everything) == compile_flags(build.TIERS, everything)
+    assert "-mavx512vl" in layer_ops.compile_flags(everything)
+    assert "-mrecip" not in layer_ops.compile_flags(frozenset())
 
 
 def test_engine_kernels_share_the_scalar_header():
@@ -41,7 +80,7 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_pat
     from cpu_impl import build
 
     build.load()  # built (or found) once
-    name = build.extension_name(build.compile_flags(build.cpu_flags()))
+    name = build.extension_name(build.compile_flags())
     baton = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
     baton.touch()
     root = Path(__file__).resolve().parent.parent

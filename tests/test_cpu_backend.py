@@ -118,6 +118,43 @@ def test_thread_count_does_not_change_the_result(dtype):
     assert torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("nhd", [False, True])
+def test_read_ahead_reads_one_byte_per_line_of_each_sequences_blocks(nhd: bool):
+    """A decode call's read-ahead (csrc/read_ahead.h) sums the first byte of every 64-byte line of
+    each block a sequence reads (its first ceil(seq_len / block_size) table entries, in order,
+    repeats read again; entries past them never), in both caches and through the caches' strides,
+    on any thread count."""
+    from cpu_impl import build
+    ext = build.load()
+    gen = torch.Generator().manual_seed(3)
+    shape = (9, 16, 3, 64) if nhd else (9, 3, 16, 64)
+    caches = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    views = [c.permute(0, 2, 1, 3) if nhd else c for c in caches]
+    tables = torch.tensor([[4, 0, 8], [4, -1, 100], [2, 3, 1]], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 16, 17], dtype=torch.int32)  # blocks 4 0 8 | 4 | 2 3
+    want = 0
+    for c in caches:
+        raw = c.view(torch.uint8).reshape(c.shape[0], -1)  # a block is one contiguous row here
+        want += sum(int(raw[b, ::64].sum()) for b in (4, 0, 8, 4, 2, 3))
+    for threads in (1, 2):
+        assert ext.read_ahead(*views, tables, seq_lens, threads) == want
+    with pytest.raises(RuntimeError, match="valid decode contents"):
+        ext.read_ahead(*views, tables, torch.tensor([40, 17, 17], dtype=torch.int32), 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_ahead_does_not_change_the_result(dtype, monkeypatch: pytest.MonkeyPatch):
+    """Decode with and without the read-ahead (`cpu_impl.backend.read_ahead`): the same bits."""
+    from cpu_impl import backend
+    c = build_case([300, 17, 260, 1, 64], None, (9, 3), 64, 16, dtype, seed=12)
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(backend, "read_ahead", on)
+        results.append(run_cpu(c, return_lse=True))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
 def test_empty_batches():
     c = build_case([5], [0], (2, 1), 8, 4, torch.float32)
     out = run_cpu(c)  # a sequence with no query rows: nothing to write, no error
@@ -185,23 +222,34 @@ def test_write_kv_into_nhd_view_then_attend():
 
 def test_build_flags_follow_the_cpu(tmp_path: Path):
     from cpu_impl import build
+    from paged_kernels.cpp_build import cpu_flags
     info = tmp_path / "cpuinfo"
     info.write_text("processor : 0\nflags\t\t: fpu sse2 avx2 fma f16c\n")
-    with_simd = build.compile_flags(build.cpu_flags(info))
+    with_simd = build.compile_flags(cpu_flags(info))
     info.write_text("processor : 0\nflags\t\t: fpu sse2 avx2\n")
-    without = build.compile_flags(build.cpu_flags(info))
+    without = build.compile_flags(cpu_flags(info))
     assert "-mavx2" in with_simd and "-mf16c" in with_simd
     assert not any(f.startswith("-m") for f in without) and "-fopenmp" in without
     assert "-march=native" not in with_simd
     assert build.extension_name(with_simd) != build.extension_name(without)
-    assert build.cpu_flags(tmp_path / "missing") == frozenset()
+    assert cpu_flags(tmp_path / "missing") == frozenset()
     assert not any(f.startswith("-mavx512") for f in with_simd)
     info.write_text("processor : 0\nflags\t\t: avx2 fma f16c avx512f avx512bw avx512dq avx512vl "
                     "avx512_bf16\n")
-    wide = build.compile_flags(build.cpu_flags(info))
+    wide = build.compile_flags(cpu_flags(info))
     assert "-mavx2" in wide and "-mavx512bf16" in wide and "-mavx512bw" in wide
     info.write_text("processor : 0\nflags\t\t: avx2 fma f16c avx512f avx512bw avx512dq avx512vl\n")
-    assert not any(f.startswith("-mavx512") for f in build.compile_flags(build.cpu_flags(info)))
+    assert not any(f.startswith("-mavx512") for f in build.compile_flags(cpu_flags(info)))
+
+
+def test_the_build_key_covers_the_kernel_headers():
+    """The kernel is one translation unit over the headers next to it: editing any of them must
+    rebuild it (cpp_build.extension_name hashes the local headers)."""
+    from cpu_impl import build
+    from paged_kernels.cpp_build import local_headers
+    names = {p.name for p in local_headers(build.SOURCE)}
+    assert names == {p.name for p in build.SOURCE.parent.glob("*.h")}
+    assert {"simd.h", "problem.h", "kernel.h", "read_ahead.h"} <= names
 
 
 @pytest.mark.parametrize("cpu", ["portable", "avx2"])
@@ -221,7 +269,7 @@ def test_narrower_builds_match_the_oracle(cpu: str):
             alibi = torch.tensor([0.5 ** (h + 1) for h in range(6)])
             assert ext.paged_attention(c.query, c.key_cache, c.value_cache, c.block_tables,
                                         c.seq_lens, c.cu_seqlens_q, out, lse, alibi,
-                                        1 / math.sqrt(d), 30, 4.0, 16, 2)
+                                        1 / math.sqrt(d), 30, 4.0, 16, 2, True)
             want, want_lse = dense_oracle(c, window=30, soft_cap=4.0, alibi=alibi)
             assert rel_err(out, want) <= TOL[dtype]
             assert rel_err(lse, want_lse) <= TOL[dtype]

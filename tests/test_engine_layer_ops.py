@@ -118,23 +118,3 @@ def test_nan_stays_in_its_row(path: str) -> None:
     gate_up[2, 3] = math.nan
     act = layer_ops.silu_mul(gate_up)
     assert torch.isnan(act[2, 3]) and torch.isnan(act).sum() == 1
-
-
-@pytest.mark.parametrize("nhd", [False, True])
-def test_warm_blocks_reads_one_byte_per_line_of_the_listed_blocks(nhd: bool) -> None:
-    """The sum it returns is that of the first byte of every 64-byte line of each listed
-    block's extent (both caches); ids out of range are skipped; repeats are read again."""
-    if layer_ops.native() is None:
-        pytest.skip("the C++ layer ops could not be built here")
-    gen = torch.Generator().manual_seed(3)
-    shape = (9, 16, 3, 64) if nhd else (9, 3, 16, 64)
-    caches = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(2)]
-    views = [c.permute(0, 2, 1, 3) if nhd else c for c in caches]
-    ids = torch.tensor([4, 0, 8, 4, -1, 9, 100])
-    want = 0
-    for c in caches:
-        raw = c.view(torch.uint8).reshape(c.shape[0], -1)  # a block is one contiguous row here
-        for b in ids.tolist():
-            if 0 <= b < c.shape[0]:
-                want += int(raw[b, ::64].sum())
-    assert layer_ops.warm_blocks(*views, ids) == want

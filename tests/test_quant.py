@@ -92,9 +92,10 @@ def check(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, qtype: str) -> None
 @pytest.fixture(scope="module")
 def portable():
     """The portable (non-SIMD) build of the kernel: a second build (seconds, once per machine)."""
-    from engine.native_build import compile_flags, load_quant
+    from engine.native_build import TIERS, load_quant
+    from paged_kernels.cpp_build import compile_flags
 
-    return load_quant(compile_flags(frozenset()))
+    return load_quant(compile_flags(TIERS, frozenset()))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
@@ -138,13 +139,14 @@ def test_result_does_not_depend_on_the_thread_count():
 
 
 def test_build_flags_follow_the_cpu():
-    from engine.native_build import compile_flags
+    from engine.native_build import TIERS
+    from paged_kernels.cpp_build import compile_flags
 
     base = {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"}
-    assert "-mavx512f" in compile_flags(frozenset(base))
-    assert "-mavx512bf16" not in compile_flags(frozenset(base))
-    assert "-mavx512bf16" in compile_flags(frozenset(base | {"avx512_bf16"}))
-    without = compile_flags(frozenset(base - {"avx512bw"} | {"avx512_bf16"}))
+    assert "-mavx512f" in compile_flags(TIERS, frozenset(base))
+    assert "-mavx512bf16" not in compile_flags(TIERS, frozenset(base))
+    assert "-mavx512bf16" in compile_flags(TIERS, frozenset(base | {"avx512_bf16"}))
+    without = compile_flags(TIERS, frozenset(base - {"avx512bw"} | {"avx512_bf16"}))
     assert not any(f.startswith("-m") for f in without) and "-fopenmp" in without
 
 

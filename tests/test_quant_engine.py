@@ -90,9 +90,10 @@ def test_auto_needs_the_simd_kernel(monkeypatch):
     """`auto` turns the blocks on only where the kernel has its measured AVX-512 path; `gguf`
     takes the portable one too."""
     import engine.model.quant as quant
-    from engine.native_build import compile_flags, load_quant
+    from engine.native_build import TIERS, load_quant
+    from paged_kernels.cpp_build import compile_flags
 
-    monkeypatch.setattr(quant, "_extension", load_quant(compile_flags(frozenset())))
+    monkeypatch.setattr(quant, "_extension", load_quant(compile_flags(TIERS, frozenset())))
     assert not _gguf_quantization_applies("auto", torch.bfloat16, "cpu")
     assert _gguf_quantization_applies("gguf", torch.bfloat16, "cpu")
 

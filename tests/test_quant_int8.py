@@ -16,7 +16,8 @@ import torch
 
 from engine.model.quant import GGUFBlocks, QuantizedWeight
 from engine.model.quant_int8 import Int8Weight, int8_linear, pack_int8
-from engine.native_build import int8_compile_flags, load_int8
+from engine.native_build import INT8_TIERS, load_int8
+from paged_kernels.cpp_build import compile_flags
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402  (after the skip)
@@ -28,7 +29,7 @@ U32 = 2.0 ** -24
 @pytest.fixture(scope="module")
 def portable():
     """The portable (non-SIMD) build: a second build (seconds, once per machine)."""
-    return load_int8(int8_compile_flags(frozenset()))
+    return load_int8(compile_flags(INT8_TIERS, frozenset()))
 
 
 def quantize_oracle(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -201,7 +202,8 @@ TEXTS = ["The capital of France is",
          "Write a haiku about autumn leaves."]
 NEW_TOKENS = 16
 NEAR_TIE = 0.5  # nats. Largest gaps seen: 0.12 here; over 12 prompts x 48 tokens
-# (bench/quant_accuracy.py, bench/results/quant_accuracy_s3.json) 0.38 in bf16, 0.52 in float32
+# (bench/quant_accuracy.py, bench/results/2026-11-30-quant-accuracy-cpu/) 0.38 in bf16,
+# 0.52 in float32
 
 
 @pytest.mark.usefixtures("one_torch_thread")

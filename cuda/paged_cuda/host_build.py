@@ -6,12 +6,14 @@
 scheduler (`cuda/host/pk_host_runtime.cpp`). `build_module()` is the general form (the emulator's
 own tests build their kernels with it).
 
-The build goes to `$PAGED_KERNELS_CACHE/host/<name>-<hash>` (default cache `~/.cache/paged_kernels`),
-where the hash covers every source and header it can read, the flags, the compiler's version and
-the Python ABI; an unchanged hash reuses the built module. Objects are compiled with ninja when it
-is installed (else with parallel g++ calls). `extern __shared__` arrays have no definition in host
-C++; after compiling, the build finds the ones the objects reference (`nm`) and defines each as a
-thread-local buffer of the largest dynamic shared memory a block may have (see
+The build goes to `$PAGED_KERNELS_CACHE/host/<name>-<hash>` (default cache
+`~/.cache/paged_kernels`), where the hash covers every source and header it can read, the flags,
+the compiler's version and the Python ABI; an unchanged hash reuses the built module. The compiler
+(`$CXX`, default g++) and the build lock (an `flock` per build directory, released however a build
+dies) are those of every C++ build of the project (`paged_kernels.cpp_build`). Objects are compiled
+with ninja when it is installed (else with parallel g++ calls). `extern __shared__` arrays have no
+definition in host C++; after compiling, the build finds the ones the objects reference (`nm`) and
+defines each as a thread-local buffer of the largest dynamic shared memory a block may have (see
 cuda/host/pk_host_sched.h), in a generated `pk_host_dynsmem.cpp`.
 
 Set `PK_HOST_INSTANTIATIONS` to pass `-DPK_HOST_INSTANTIATIONS=<value>` to the compiler (a
@@ -22,7 +24,6 @@ reduced template set: the launchers then compile head sizes 64 and 128 only), an
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.util
 import os
@@ -35,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Optional, Sequence
+
+from paged_kernels import cpp_build
 
 CUDA_DIR = Path(__file__).resolve().parent.parent
 CSRC_DIR = CUDA_DIR / "csrc"
@@ -62,7 +65,7 @@ _loaded: dict[str, ModuleType] = {}
 _announced: set[str] = set()
 
 
-class HostBuildError(RuntimeError):
+class HostBuildError(cpp_build.BuildFailed):
     """The host build could not run or failed; the message has the compiler's output."""
 
 
@@ -73,8 +76,8 @@ def cache_root() -> Path:
 
 
 def compiler() -> str:
-    """The C++ compiler (`$CXX` or g++); raises HostBuildError when there is none."""
-    cxx = os.environ.get("CXX") or "g++"
+    """The path of `cpp_build.compiler()`; raises HostBuildError when it is not on PATH."""
+    cxx = cpp_build.compiler()
     path = shutil.which(cxx)
     if path is None:
         raise HostBuildError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX)")
@@ -312,9 +315,7 @@ def build_module(name: str, sources: Sequence[Path], *, include_dirs: Sequence[P
     output = build_dir / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     if output.exists():
         return output
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same module
+    with cpp_build.exclusive(build_dir / ".lock"):  # another process may be building it
         if not output.exists():
             _announce(name, build_dir)
             _build(build_dir, cxx, flags, sources, scan, output)

@@ -1,5 +1,5 @@
 """The decoder layer's element-wise ops (RMSNorm with the residual add, rotary, SiLU * up),
-fused in C++ for CPU tensors (engine/model/layer_ops.cpp), with PyTorch versions for the rest.
+fused in C++ for CPU tensors (engine/csrc/layer_ops.cpp), with PyTorch versions for the rest.
 
 At decode sizes each of PyTorch's CPU ops costs 5-40 us (dispatch, allocation, bfloat16
 conversions) for a few thousand elements, and a layer ran about ten of them; the fused ops do each
@@ -22,36 +22,31 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from paged_kernels.cpp_build import BuildFailed, cpu_flags, load
+from paged_kernels.cpp_build import BASE_FLAGS, BuildFailed, load, simd_flags
 
-__all__ = ["add_rms_norm_", "rms_norm", "rotary_", "silu_mul", "warm_blocks", "native"]
+__all__ = ["add_rms_norm_", "rms_norm", "rotary_", "silu_mul", "native"]
 
-SOURCE = Path(__file__).resolve().parent / "layer_ops.cpp"
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "layer_ops.cpp"
 ENV = "PK_ENGINE_LAYER_OPS"
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-#: /proc/cpuinfo flag -> compiler flag; the widest complete set is used (never -march=native).
-_SIMD_SETS = ({"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
-               "fma": "-mfma"}, {"avx2": "-mavx2", "fma": "-mfma"})
+#: SIMD tiers (paged_kernels.cpp_build.ISA), widest first.
+TIERS = ("avx512 + fma", "avx2 + fma")
 #: With a SIMD set: divisions and square roots as a reciprocal estimate plus a Newton step (~2
 #: ulp of float32): SiLU's 1 / (1 + e^-x) ran 2.5x faster than with vdivps.
 _RECIP = ["-freciprocal-math", "-mrecip"]
 
 #: False runs the PyTorch versions everywhere (read once: the ops are called ~150 times a step).
 use_native = os.environ.get(ENV) != "torch"
-#: Whether the model reads a decode step's K/V blocks into cache before each attention.
-warm_kv = True
 _module: Optional[ModuleType] = None
 _tried = False
 
 
-def compile_flags(flags: frozenset[str]) -> list[str]:
-    """C++ flags for a CPU with feature `flags`: the first SIMD set it has completely."""
+def compile_flags(cpu: Optional[frozenset[str]] = None) -> list[str]:
+    """C++ flags for a CPU with /proc/cpuinfo flags `cpu` (default this machine's): the first
+    of TIERS it has completely, with _RECIP."""
+    simd = simd_flags(TIERS, cpu)
     # -fno-trapping-math: lets the float -> int conversion in exp_approx vectorise
-    base = ["-O3", "-fopenmp", "-std=c++17", "-fno-trapping-math"]
-    for simd in _SIMD_SETS:
-        if all(f in flags for f in simd):
-            return base + list(simd.values()) + _RECIP
-    return base
+    return [*BASE_FLAGS, "-fno-trapping-math", *simd, *(_RECIP if simd else [])]
 
 
 def native() -> Optional[ModuleType]:
@@ -62,8 +57,7 @@ def native() -> Optional[ModuleType]:
     if not _tried:
         _tried = True
         try:
-            _module = load(SOURCE, "engine_layer_ops", compile_flags(cpu_flags()),
-                           "engine layer ops")
+            _module = load(SOURCE, "engine_layer_ops", compile_flags(), "engine layer ops")
         except BuildFailed as exc:
             print(f"engine layer ops: using PyTorch ops ({exc})")
     return _module
@@ -109,19 +103,6 @@ def rotary_(x: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Ten
     half = x.shape[-1] // 2
     swapped = torch.cat((part[..., half:], part[..., :half]), dim=-1)
     part.copy_(part * c + swapped * s)
-
-
-def warm_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
-                block_ids: torch.Tensor) -> Optional[int]:
-    """Reads blocks `block_ids` (int64 `[n]`; ids out of range are skipped) of both caches into
-    the CPU's caches, one load per 64-byte line, so that the attention call that follows finds
-    its K/V there: in decode, every layer's K/V comes from memory, and the attention kernel's own
-    scattered loads are slower than this sequential sweep (docs/serving.md). Returns the sum of
-    the bytes read, or None where there is nothing to do (not on a CPU, no extension)."""
-    ops = native() if key_cache.device.type == "cpu" else None
-    if ops is None:
-        return None
-    return ops.warm_blocks(key_cache, value_cache, block_ids)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

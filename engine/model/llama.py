@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model import layer_ops
+from engine.model.checkpoint_names import LAYER_TENSORS
 from engine.model.metadata import AttentionMetadata
 from engine.model.quant import QuantizedWeight, quantized_linear
 from engine.model.quant_int8 import int8_linear
@@ -159,35 +160,31 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = param(h, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rotary: Rotary,
-                kv_cache: KVCache, attn: AttentionPlan,
-                kv_blocks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: KVCache, attn: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden` `[T, hidden_size]` is the previous block's output before its residual add,
         `residual` the residual stream (None for the first block, whose `hidden` is the
         embeddings). Returns `(output, residual)` the same way (the residual is updated in
         place, so each add is fused with the next norm); writes this step's K/V to `kv_cache`
-        at the plan's slots. `kv_blocks` (from the metadata) are read into the CPU's caches
-        just before the attention."""
+        at the plan's slots."""
         if residual is None:
             residual = hidden
             x = layer_ops.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
             x = layer_ops.add_rms_norm_(residual, hidden, self.input_layernorm, self.eps)
         x = layer_ops.add_rms_norm_(residual,
-                                    self._attention(x, rotary, kv_cache, attn, kv_blocks),
+                                    self._attention(x, rotary, kv_cache, attn),
                                     self.post_attention_layernorm, self.eps)
         gate_up = _linear(x, self.gate_up_proj)
         return _linear(layer_ops.silu_mul(gate_up), self.down_proj), residual
 
     def _attention(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
-                   attn: AttentionPlan, kv_blocks: Optional[torch.Tensor]) -> torch.Tensor:
+                   attn: AttentionPlan) -> torch.Tensor:
         num_tokens, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = _linear(x, self.qkv_proj).view(num_tokens, -1, self.head_dim)
         layer_ops.rotary_(qkv, nh + nkv, *rotary)  # q and k, in place (qkv is ours)
         # strided row views: write_kv honours any strides with a contiguous last dimension
         k_cache, v_cache = kv_cache
         attn.write_kv(qkv[:, nh:nh + nkv], qkv[:, nh + nkv:], k_cache, v_cache)
-        if kv_blocks is not None and layer_ops.warm_kv:
-            layer_ops.warm_blocks(k_cache, v_cache, kv_blocks)
         out = attn.run(qkv[:, :nh], k_cache, v_cache)
         return _linear(out.reshape(num_tokens, -1), self.o_proj)
 
@@ -234,8 +231,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             # .forward: no module hooks are used, and nn.Module.__call__ costs ~3 us a layer
-            hidden, residual = layer.forward(hidden, residual, rotary, kv_cache, attn,
-                                             meta.kv_blocks)
+            hidden, residual = layer.forward(hidden, residual, rotary, kv_cache, attn)
         return layer_ops.add_rms_norm_(residual, hidden, self.norm, self.config.rms_norm_eps)
 
     def plan_attention(self, meta: AttentionMetadata, num_tokens: int,
@@ -310,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
             names.append("lm_head.weight")
         for i in range(len(self.layers)):
             p = f"model.layers.{i}."
-            names += [p + s + ".weight" for s in _LAYER_TENSORS]
+            names += [p + s + ".weight" for s in LAYER_TENSORS]
         return names
 
     def _locate(self, name: str) -> tuple[Optional[torch.Tensor], Optional[tuple[int, int]]]:
@@ -329,9 +325,9 @@ class LlamaForCausalLM(nn.Module):
             return None, None
         layer = self.layers[int(parts[2])]
         key = ".".join(parts[3:-1])
-        if key not in _LAYER_TENSORS:
+        if key not in LAYER_TENSORS:
             return None, None
-        fused, index = _LAYER_TENSORS[key]
+        fused, index = LAYER_TENSORS[key]
         target = getattr(layer, fused)
         if index is None:
             return target, None
@@ -346,27 +342,3 @@ class LlamaForCausalLM(nn.Module):
                      c.num_key_value_heads * c.head_dim]
         start = sum(sizes[:index])
         return start, start + sizes[index]
-
-
-#: Checkpoint sub-name -> (fused parameter, index of its part, or None when not fused).
-_LAYER_TENSORS: dict[str, tuple[str, Optional[int]]] = {
-    "input_layernorm": ("input_layernorm", None),
-    "post_attention_layernorm": ("post_attention_layernorm", None),
-    "self_attn.q_proj": ("qkv_proj", 0),
-    "self_attn.k_proj": ("qkv_proj", 1),
-    "self_attn.v_proj": ("qkv_proj", 2),
-    "self_attn.o_proj": ("o_proj", None),
-    "mlp.gate_proj": ("gate_up_proj", 0),
-    "mlp.up_proj": ("gate_up_proj", 1),
-    "mlp.down_proj": ("down_proj", None),
-}
-
-
-def fused_parts() -> dict[str, list[str]]:
-    """Each projection of a decoder layer with the checkpoint sub-names of its parts, in row
-    order (e.g. "qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])."""
-    parts: dict[str, list[tuple[int, str]]] = {}
-    for key, (fused, index) in _LAYER_TENSORS.items():
-        if fused.endswith("_proj"):
-            parts.setdefault(fused, []).append((index or 0, key))
-    return {fused: [key for _, key in sorted(found)] for fused, found in parts.items()}

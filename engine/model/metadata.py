@@ -19,8 +19,6 @@ class AttentionMetadata:
     - `cu_seqlens_q`: int32 `[num_seqs + 1]`, the query tokens of sequence `s` are
       `cu_seqlens_q[s]:cu_seqlens_q[s+1]`; None means pure decode (one token per sequence).
     - `backend`: the `paged_kernels` backend name ("auto" lets the library choose).
-    - `kv_blocks`: int64 ids of the blocks this step's attention reads (repeats allowed), for
-      the model to read them into the CPU's caches before each layer's attention; None: skip.
 
     The model never inspects the values; it passes them to `paged_kernels.attention`.
     """
@@ -30,4 +28,3 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     cu_seqlens_q: Optional[torch.Tensor] = None
     backend: str = "auto"
-    kv_blocks: Optional[torch.Tensor] = None

@@ -17,12 +17,13 @@ docs/quant.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
 from engine.config import QUANTIZATION_MODES
+from engine.model.checkpoint_names import fused_parts
+from engine.model.gguf_blocks import BLOCK_BYTES, QK, GGUFBlocks
 from engine.model.quant_int8 import X_DTYPES, Int8Weight, bad_x, pack_int8
 
 if TYPE_CHECKING:
@@ -31,50 +32,10 @@ if TYPE_CHECKING:
 __all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "QUANTIZATION_MODES", "GGUFBlocks",
            "QuantizedWeight", "quantized_linear", "kernel_problem", "attach_gguf_weights"]
 
-#: Weights per GGUF block, and bytes per block of each format the kernel reads.
-QK = 32
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 #: Per dtype of the dense weight (and the activations): the most token rows for which the blocks
 #: are used; above it the dense weight is. Measured crossovers of SmolLM2-135M's decode-step
 #: matmuls on a 2-core Zen 4 (docs/quant.md): bf16 dense reads 2 bytes a weight, float32 4.
 MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}
-
-
-@dataclass(frozen=True)
-class GGUFBlocks:
-    """One weight matrix `[rows, cols]` as GGUF blocks: `data` is uint8 `[rows, cols/32 * bytes
-    per block]`, each row's blocks contiguous (ggml's layout), for `qtype` "Q4_1" or "Q8_0"."""
-
-    qtype: str
-    data: torch.Tensor
-    cols: int
-
-    def __post_init__(self) -> None:
-        if self.qtype not in BLOCK_BYTES:
-            raise ValueError(f"qtype: expected one of {sorted(BLOCK_BYTES)}, got {self.qtype!r}")
-        if self.cols < QK or self.cols % QK:
-            raise ValueError(f"cols: expected a positive multiple of {QK}, got {self.cols}")
-        want = self.cols // QK * BLOCK_BYTES[self.qtype]
-        if (self.data.dtype != torch.uint8 or self.data.dim() != 2
-                or self.data.shape[1] != want or not self.data.is_contiguous()):
-            raise ValueError(f"data: expected a contiguous uint8 tensor [rows, {want}] for "
-                             f"{self.qtype} with {self.cols} columns, got {self.data.dtype} "
-                             f"{tuple(self.data.shape)}")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """`(rows, cols)` of the weight matrix."""
-        return self.data.shape[0], self.cols
-
-    @staticmethod
-    def concat(parts: list["GGUFBlocks"]) -> "GGUFBlocks":
-        """The row-wise concatenation of `parts` (one fused weight). ValueError unless all parts
-        share the format and the column count."""
-        kinds = {(p.qtype, p.cols) for p in parts}
-        if len(kinds) != 1:
-            raise ValueError(f"parts: expected one format and column count to fuse, got "
-                             f"{sorted(kinds)}")
-        return GGUFBlocks(parts[0].qtype, torch.cat([p.data for p in parts]), parts[0].cols)
 
 
 def quantized_linear(x: torch.Tensor, blocks: GGUFBlocks,
@@ -88,7 +49,7 @@ def quantized_linear(x: torch.Tensor, blocks: GGUFBlocks,
         raise bad_x(x, blocks.cols)  # one combined test: this runs ~120 times per decode step
     if kernel is None:
         kernel = _extension if _extension is not None else _kernel()
-    return kernel.matmul(x.contiguous(), blocks, torch.get_num_threads())
+    return kernel.matmul(x.contiguous(), blocks.data, blocks.qtype, torch.get_num_threads())
 
 
 class QuantizedWeight:
@@ -165,8 +126,6 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
     `QuantizedWeight`; `int8`: also keep each one's int8 tiles (every matmul then uses them).
     Returns the names of the model attributes converted (e.g.
     "layers.0.qkv_proj", "lm_head"). ValueError when blocks do not match the model's shapes."""
-    from engine.model.llama import fused_parts
-
     by_name = dict(blocks)
     converted = []
     targets = [(f"layers.{i}.", f"model.layers.{i}.", layer)

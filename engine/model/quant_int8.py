@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 if TYPE_CHECKING:
-    from engine.model.quant import GGUFBlocks
+    from engine.model.gguf_blocks import GGUFBlocks
     from engine.native_build import Int8Kernel
 
 __all__ = ["Int8Weight", "pack_int8", "int8_linear", "int8_kernel_problem"]
@@ -44,7 +44,8 @@ def pack_int8(blocks: "GGUFBlocks", kernel: Optional["Int8Kernel"] = None) -> In
     kernel (tests pass the portable one); default this machine's."""
     kernel = _resolve(kernel)
     rows, cols = blocks.shape
-    return Int8Weight(blocks.qtype, kernel.pack(blocks, torch.get_num_threads()), rows, cols)
+    packed = kernel.pack(blocks.data, blocks.qtype, cols, torch.get_num_threads())
+    return Int8Weight(blocks.qtype, packed, rows, cols)
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight,

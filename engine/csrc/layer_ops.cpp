@@ -198,38 +198,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// Reads one byte of every 64-byte line of each listed block of both caches (a block's extent
-// through its strides), so that the attention call that follows finds the K/V in cache. Returns
-// the sum of the bytes read (the loads must not be optimised away; tests check it). Ids outside
-// [0, num_blocks) are skipped. Whole blocks in order stream at ~12-16 GB/s on the 2-core machine,
-// where the attention kernel's own per-head 2 KiB runs took ~4.6 GB/s (docs/serving.md).
-int64_t warm_blocks(const at::Tensor& key_cache, const at::Tensor& value_cache,
-                    const at::Tensor& block_ids) {
-  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous() &&
-              block_ids.dim() == 1, "block_ids: expected a contiguous int64 [n] tensor");
-  const int64_t* ids = block_ids.data_ptr<int64_t>();
-  const int64_t n = block_ids.numel();
-  int64_t total = 0;
-  for (const at::Tensor* cache : {&key_cache, &value_cache}) {
-    TORCH_CHECK(cache->device().is_cpu() && cache->dim() == 4, "caches: expected 4-D CPU tensors");
-    const int64_t esize = cache->element_size();
-    int64_t extent = 1;  // elements from a block's first to its last, through the strides
-    for (int d = 1; d < 4; ++d) extent += (cache->size(d) - 1) * cache->stride(d);
-    const int64_t bytes = extent * esize, block_stride = cache->stride(0) * esize;
-    const int64_t num_blocks = cache->size(0);
-    const uint8_t* base = static_cast<const uint8_t*>(cache->data_ptr());
-    int64_t sum = 0;
-#pragma omp parallel for schedule(static) reduction(+ : sum) if (n * bytes >= (1 << 20))
-    for (int64_t i = 0; i < n; ++i) {
-      if (ids[i] < 0 || ids[i] >= num_blocks) continue;
-      const uint8_t* p = base + ids[i] * block_stride;
-      for (int64_t off = 0; off < bytes; off += 64) sum += p[off];
-    }
-    total += sum;
-  }
-  return total;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -238,5 +206,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "rms_norm(residual (+)= x) * weight", nogil);
   m.def("rotary", &rotary, "rotary embedding in place on the first heads", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
-  m.def("warm_blocks", &warm_blocks, "read the listed K/V blocks into cache", nogil);
 }

@@ -1,0 +1,631 @@
+// The attention of one work item (Item, problem.h): one thread computes it from start to end.
+//
+// An item owns rows R = tile * G (G = query heads per KV head) of one sequence, for one KV head or
+// all of them: every K and V row it reads is converted to float32 once and used by all R rows (the
+// GQA group and the tile share one read). Keys are streamed through the block table in chunks of
+// 256 or 64 positions (no dense copy); each chunk does scores -> soft cap -> ALiBi -> mask, then
+// one online-softmax step (running max m, running sum l, accumulator acc rescaled by
+// exp(m_old - m_new)), all in float32. Keys at positions >= seq_len and block-table entries past
+// ceil(seq_len / block_size) are never touched.
+#pragma once
+
+#include <torch/extension.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+#include "problem.h"
+#include "simd.h"
+
+namespace {
+
+// Keys per chunk: KEY_CHUNK on the bf16 vdpbf16ps path (fewer online-softmax steps and longer
+// block-major runs: A/B, 1 thread, 16 x 320 decode over 30 layers with the read-ahead 10.5 -> 9.8 ms
+// a step, 5 x 256 prefill 5.15 -> 4.84 ms against 64 keys), WIDENED_CHUNK on the paths that widen
+// K/V into float32 staging rows (kf/vf hold one chunk). KEY_CHUNK is also the row stride of the
+// scores, the bf16 weights and the K/V row pointers.
+constexpr int KEY_CHUNK = 256;
+constexpr int WIDENED_CHUNK = 64;
+constexpr int UNIT_KEYS = 16;  // keys per (keys x KV head) unit of a chunk, a multiple of 4
+
+// 64-byte aligned storage for std::vector (aligned vector loads of the transposed keys).
+template <typename U>
+struct AlignedAlloc {
+  using value_type = U;
+  AlignedAlloc() = default;
+  template <typename V>
+  AlignedAlloc(const AlignedAlloc<V>&) {}
+  U* allocate(size_t n) {
+    return static_cast<U*>(::operator new(n * sizeof(U), std::align_val_t{64}));
+  }
+  void deallocate(U* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  bool operator==(const AlignedAlloc&) const { return true; }
+  bool operator!=(const AlignedAlloc&) const { return false; }
+};
+
+// Per-thread scratch, sized once per call.
+template <typename T>
+struct Scratch {
+  std::vector<float> q, acc, scores, m, l, kf, vf;
+  std::vector<T> qraw;                 // unscaled queries (the bf16 dot-product path)
+  std::vector<uint16_t> wb;            // bf16 weights (the bf16 P.V path), KEY_CHUNK per row
+  std::vector<uint32_t, AlignedAlloc<uint32_t>> kt;  // transposed K pairs: [d / 2][16], aligned
+  std::vector<int64_t> pos;
+  std::vector<int> vis;                // per row: the chunk's visible keys [vis[2r], vis[2r + 1])
+  std::vector<const T*> kp, vp;        // K/V row pointers of the chunk: KEY_CHUNK per KV head
+  std::vector<const float*> kfp, vfp;  // rows of kf / vf
+  Scratch(int rows, int d, int heads)
+      : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows), l(rows),
+        kf(WIDENED_CHUNK * d), vf(WIDENED_CHUNK * d), qraw(rows * d), wb(rows * KEY_CHUNK),
+        kt(d / 2 * 16), pos(rows), vis(2 * rows),
+        kp(KEY_CHUNK * heads), vp(KEY_CHUNK * heads), kfp(WIDENED_CHUNK),
+        vfp(WIDENED_CHUNK) {}
+};
+
+template <typename T>
+class ItemKernel {
+ public:
+  ItemKernel(const Problem& p, const T* q, const T* k, const T* v, T* out, const Item& it,
+             Scratch<T>& sc)
+      : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
+        g_(p.group()), rh_(static_cast<int>(it.rows) * g_), nh_(it.kv_heads), rows_(rh_ * nh_),
+        pairs_(uses_pairs(p)) {}
+
+  // Whether the P.V product runs on vdpbf16ps (accumulate_pairs): bf16 with d % 32 == 0 on the
+  // AVX-512 BF16 build.
+  static bool uses_pairs(const Problem& p) {
+#if defined(PK_AVX512)
+    return std::is_same_v<T, at::BFloat16> && p.head_size % 32 == 0;
+#else
+    (void)p;
+    return false;
+#endif
+  }
+
+  void run() {
+    load_queries();
+    int64_t lo, hi;  // keys [lo, hi) visible to at least one row
+    key_range(lo, hi);
+    // The first chunk's lines are requested up front. On the vdpbf16ps path (pairs_) later chunks
+    // come in address order (block-major units, see chunk()), which the hardware prefetcher
+    // follows: software prefetches of the next chunk, spread over this one's units, were slower
+    // there (cold 16 x 320 decode, 30 layers, 1 thread: 13.8 ms a step against 11.7 without).
+    // The other paths request the next chunk while computing this one (head-major order).
+    const int64_t keys = pairs_ ? KEY_CHUNK : WIDENED_CHUNK;
+    prefetch(lo, std::min<int64_t>(hi, lo + keys));
+    for (int64_t c = lo; c < hi; c += keys) {
+      const int64_t c1 = std::min<int64_t>(hi, c + keys);
+      if (!pairs_) prefetch(c1, std::min<int64_t>(hi, c1 + keys));
+      chunk(c, c1);
+    }
+    store();
+  }
+
+ private:
+  // Row r = (KV head hh of the item, tile row t, group member g) at r = hh * RH + t * G + g, with
+  // RH = tile * G rows per KV head; query head = (kv_head + hh) * G + g.
+  int64_t token(int r) const { return it_.q0 + it_.row0 + (r % rh_) / g_; }
+  int64_t head(int r) const { return (static_cast<int64_t>(it_.kv_head) + r / rh_) * g_ + r % g_; }
+
+  void load_queries() {
+    for (int r = 0; r < rows_; ++r) {
+      const T* src = q_ + token(r) * p_.q_s0 + head(r) * p_.q_s1;
+      float* dst = &sc_.q[r * d_];
+      to_float(src, dst, d_);
+      for (int i = 0; i < d_; ++i) dst[i] *= p_.scale;
+      std::copy_n(src, d_, &sc_.qraw[r * d_]);
+      std::fill_n(&sc_.acc[r * d_], d_, 0.f);
+      sc_.m[r] = NEG_INF;
+      sc_.l[r] = 0.f;
+      sc_.pos[r] = it_.seq_len - it_.q_len + it_.row0 + (r % rh_) / g_;
+    }
+  }
+
+  void key_range(int64_t& lo, int64_t& hi) const {
+    int64_t first = it_.seq_len - it_.q_len + it_.row0;  // position of the tile's first row
+    int64_t last = first + it_.rows - 1;
+    hi = std::min(last + 1, it_.seq_len);
+    lo = p_.window > 0 ? std::max<int64_t>(0, first - p_.window + 1) : 0;
+    if (hi < lo) hi = lo;
+  }
+
+  // Row pointers of K and V for positions [c0, c0 + n), walking the block table (no division per
+  // key): kp[hh * KEY_CHUNK + jj] for KV head kv_head + hh. Block ids were validated by
+  // contents_valid.
+  void locate(int64_t c0, int n) {
+    const T** kp = sc_.kp.data();
+    const T** vp = sc_.vp.data();
+    int64_t b = c0 / p_.block_size, off = c0 % p_.block_size;
+    const int32_t* table = p_.block_tables + it_.seq * p_.max_blocks;
+    for (int jj = 0; jj < n; ++jj) {
+      int64_t id = table[b];
+      const T* k = k_ + id * p_.k_s0 + it_.kv_head * p_.k_s1 + off * p_.k_s2;
+      const T* v = v_ + id * p_.v_s0 + it_.kv_head * p_.v_s1 + off * p_.v_s2;
+      for (int hh = 0; hh < nh_; ++hh) {
+        kp[hh * KEY_CHUNK + jj] = k + hh * p_.k_s1;
+        vp[hh * KEY_CHUNK + jj] = v + hh * p_.v_s1;
+      }
+      if (++off == p_.block_size) {
+        off = 0;
+        ++b;
+      }
+    }
+    for (int hh = 0; hh < nh_; ++hh)  // padding for the 8-key score kernels
+      for (int jj = n; jj < (n + 7) / 8 * 8; ++jj) {
+        kp[hh * KEY_CHUNK + jj] = kp[hh * KEY_CHUNK];
+        vp[hh * KEY_CHUNK + jj] = vp[hh * KEY_CHUNK];
+      }
+  }
+
+  // Asks the memory system for the K and V rows of positions [c0, c1) of the item's KV heads
+  // (every cache line of each row), so that the DRAM reads of the next chunk overlap the
+  // arithmetic of this one instead of stalling on each line in turn.
+  void prefetch(int64_t c0, int64_t c1) const {
+    if (c0 >= c1) return;
+    constexpr int64_t LINE = 64;
+    const int64_t row_bytes = d_ * static_cast<int64_t>(sizeof(T));
+    const int32_t* table = p_.block_tables + it_.seq * p_.max_blocks;
+    int64_t b = c0 / p_.block_size, off = c0 % p_.block_size;
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t id = table[b];
+      for (int hh = 0; hh < nh_; ++hh) {
+        const char* k = reinterpret_cast<const char*>(
+            k_ + id * p_.k_s0 + (it_.kv_head + hh) * p_.k_s1 + off * p_.k_s2);
+        const char* v = reinterpret_cast<const char*>(
+            v_ + id * p_.v_s0 + (it_.kv_head + hh) * p_.v_s1 + off * p_.v_s2);
+        for (int64_t x = 0; x < row_bytes; x += LINE) {
+          __builtin_prefetch(k + x);
+          __builtin_prefetch(v + x);
+        }
+      }
+      if (++off == p_.block_size) {
+        off = 0;
+        ++b;
+      }
+    }
+  }
+
+  // All KV heads of the item go through each chunk together, in units of UNIT_KEYS keys (a
+  // block at block size 16) x one KV head, block-major where unit_keys allows: the K (then V)
+  // rows of a block's heads, one contiguous [num_kv_heads, block_size, head_size] run, are then
+  // read in address order.
+  void chunk(int64_t c0, int64_t c1) {
+    const int n = static_cast<int>(c1 - c0), step = unit_keys(n);
+    locate(c0, n);
+    for (int j0 = 0; j0 < n; j0 += step)
+      for (int hh = 0; hh < nh_; ++hh)
+        head_scores(hh, j0, std::min(n, j0 + step), &sc_.kp[hh * KEY_CHUNK]);
+    for (int r = 0; r < rows_; ++r) finish_scores(r, c0, n);
+    softmax_step(n);
+    for (int j0 = 0; j0 < n; j0 += step)
+      for (int hh = 0; hh < nh_; ++hh)
+        accumulate_values(hh, j0, std::min(n, j0 + step), &sc_.vp[hh * KEY_CHUNK]);
+  }
+
+  // Keys per unit of chunk(): UNIT_KEYS on the bf16 vdpbf16ps paths (scores and P.V both take a
+  // key range), the whole chunk otherwise.
+  int unit_keys(int n) const { return pairs_ ? UNIT_KEYS : n; }
+
+  // Raw scores of the rows of KV head hh: bf16 on AVX-512 BF16 goes to dot_scores (K straight
+  // from the cache, any row count); otherwise, with at most 4 rows per head (decode) K is read
+  // straight from the cache, and with more each K row is widened once into kf and reused by every
+  // row pair.
+  // Keys [j0, j1) of the chunk; the paths other than dot_scores take the whole chunk (j0 == 0).
+  void head_scores(int hh, int j0, int j1, const T* const* krows) {
+    if (dot_scores(hh, krows, j0, j1)) return;
+    assert(j0 == 0);
+    const int n = j1;
+    if (rh_ <= 4) {
+      compute_scores(hh * rh_, krows, n);
+      return;
+    }
+    float* kf = sc_.kf.data();
+    for (int jj = 0; jj < n; ++jj) {
+      to_float(krows[jj], kf + jj * d_, d_);
+      sc_.kfp[jj] = kf + jj * d_;
+    }
+    for (int jj = n; jj < (n + 7) / 8 * 8; ++jj) sc_.kfp[jj] = kf;
+    compute_scores(hh * rh_, sc_.kfp.data(), n);
+  }
+
+  // The bf16 path of head_scores on CPUs with avx512_bf16: the unscaled bf16 query against the
+  // bf16 keys with vdpbf16ps (exact products, float32 sums), then the scale. Returns false, having
+  // done nothing, where it does not apply (other dtypes, d % 32 != 0, no AVX-512 build).
+  template <typename S>
+  bool dot_scores(int hh, const S* const* krows, int j0, int j1) {
+#if defined(PK_AVX512)
+    if constexpr (std::is_same_v<S, at::BFloat16>) {
+      if (d_ % 32 != 0) return false;
+      const int first = hh * rh_;
+      if (rh_ > 4 && j1 - j0 <= UNIT_KEYS) {  // many rows (prefill): transpose K once, reuse it
+        transposed_scores(first, krows, j0, j1);
+        return true;
+      }
+      for (int r0 = first; r0 < first + rh_; r0 += 4)  // each K row load feeds up to 4 rows
+        switch (std::min(4, first + rh_ - r0)) {
+          case 4: dot_rows_bf16<4>(r0, krows, j0, j1); break;
+          case 3: dot_rows_bf16<3>(r0, krows, j0, j1); break;
+          case 2: dot_rows_bf16<2>(r0, krows, j0, j1); break;
+          default: dot_rows_bf16<1>(r0, krows, j0, j1); break;
+        }
+      return true;
+    }
+#endif
+    (void)hh, (void)krows, (void)j0, (void)j1;
+    return false;
+  }
+
+#if defined(PK_AVX512)
+  // Scores of rows [first, first + rh_) for keys [j0, j1) (at most 16; the 16 slots from j0 are
+  // written, j0 + 16 <= KEY_CHUNK): the keys' rows are transposed into bf16 pairs per key
+  // (kt[x / 2] = lane k holds K[j0 + k][x, x + 1]), so that one vdpbf16ps adds a query pair's
+  // products for 16 keys at once and no horizontal sum is needed. The transpose costs about as
+  // much as 3 rows' dot products; with the dozens of rows of a prefill tile it is repaid many
+  // times over (dots_bf16 sums every 4 keys' products horizontally, in shuffles).
+  void transposed_scores(int first, const at::BFloat16* const* krows, int j0, int j1) {
+    const at::BFloat16* rows[16];
+    for (int k = 0; k < 16; ++k) rows[k] = krows[j0 + k < j1 ? j0 + k : j0];  // pads: a valid row
+    __m512i* kt = reinterpret_cast<__m512i*>(sc_.kt.data());
+    for (int x = 0; x < d_; x += 32) transpose16(rows, x, kt + x / 2);
+    int r0 = first;
+    for (; r0 + 8 <= first + rh_; r0 += 8) scores_t<8>(r0, j0);
+    switch (first + rh_ - r0) {
+      case 7: scores_t<7>(r0, j0); break;
+      case 6: scores_t<6>(r0, j0); break;
+      case 5: scores_t<5>(r0, j0); break;
+      case 4: scores_t<4>(r0, j0); break;
+      case 3: scores_t<3>(r0, j0); break;
+      case 2: scores_t<2>(r0, j0); break;
+      case 1: scores_t<1>(r0, j0); break;
+      default: break;
+    }
+  }
+
+  // out[c] = the 32-bit column c (bf16 elements x + 2c, x + 2c + 1) of rows[0..16), c < 16: a
+  // 16 x 16 transpose of 32-bit elements (pairs within 128-bit lanes, then 64-bit pairs, then
+  // two rounds of 128-bit chunk shuffles).
+  static PK_INLINE void transpose16(const at::BFloat16* const* rows, int x, __m512i* out) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+      const __m512i a = _mm512_loadu_si512(rows[i] + x), b = _mm512_loadu_si512(rows[i + 1] + x);
+      t[i] = _mm512_unpacklo_epi32(a, b);      // lane L: a[4L], b[4L], a[4L+1], b[4L+1]
+      t[i + 1] = _mm512_unpackhi_epi32(a, b);  // lane L: a[4L+2], b[4L+2], a[4L+3], b[4L+3]
+    }
+    for (int g = 0; g < 4; ++g) {  // u[4g + c], lane L: column 4L + c of rows 4g..4g+3
+      u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+      u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+      u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+      u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {  // column 4L + c gathers lane L of u[c], u[4 + c], ...
+      const __m512i p0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+      const __m512i p1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+      const __m512i p2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+      const __m512i p3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+      out[c] = _mm512_shuffle_i32x4(p0, p2, 0x88);
+      out[4 + c] = _mm512_shuffle_i32x4(p1, p3, 0x88);
+      out[8 + c] = _mm512_shuffle_i32x4(p0, p2, 0xDD);
+      out[12 + c] = _mm512_shuffle_i32x4(p1, p3, 0xDD);
+    }
+  }
+
+  // Scaled scores of the R rows from r0 against the 16 transposed keys of sc_.kt, into slots
+  // [j0, j0 + 16): two accumulators per row (even and odd query pairs) for independent chains.
+  template <int R>
+  void scores_t(int r0, int j0) {
+    const __m512i* kt = reinterpret_cast<const __m512i*>(sc_.kt.data());
+    const at::BFloat16* q = &sc_.qraw[r0 * d_];
+    __m512 acc[2][R];
+    for (int i = 0; i < R; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+    for (int x = 0; x < d_ / 2; x += 2)
+      for (int e = 0; e < 2; ++e) {
+        const __m512bh k = (__m512bh)_mm512_load_si512(kt + x + e);
+        for (int i = 0; i < R; ++i) {
+          uint32_t pair;
+          std::memcpy(&pair, q + i * d_ + 2 * (x + e), sizeof pair);
+          const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          acc[e][i] = _mm512_dpbf16_ps(acc[e][i], qp, k);
+        }
+      }
+    const __m512 scale = _mm512_set1_ps(p_.scale);
+    for (int i = 0; i < R; ++i)
+      _mm512_storeu_ps(&sc_.scores[(r0 + i) * KEY_CHUNK + j0],
+                       _mm512_mul_ps(_mm512_add_ps(acc[0][i], acc[1][i]), scale));
+  }
+
+  // Scaled scores of the NR rows from r0 for keys [j0, j1) (padded to a multiple of 4): each
+  // 128-bit half of dots_bf16's results is one row's four keys, one store each.
+  template <int NR>
+  void dot_rows_bf16(int r0, const at::BFloat16* const* krows, int j0, int j1) {
+    const at::BFloat16* q = &sc_.qraw[r0 * d_];
+    const __m256 scale = _mm256_set1_ps(p_.scale);
+    float* out = &sc_.scores[r0 * KEY_CHUNK];
+    for (int jj = j0; jj < j1; jj += 4) {
+      __m256 s[2];
+      dots_bf16<NR>(q, krows + jj, d_, s);
+      const __m256 a = _mm256_mul_ps(s[0], scale);
+      _mm_storeu_ps(out + jj, _mm256_castps256_ps128(a));
+      if (NR > 1) _mm_storeu_ps(out + KEY_CHUNK + jj, _mm256_extractf128_ps(a, 1));
+      if (NR > 2) {
+        const __m256 b = _mm256_mul_ps(s[1], scale);
+        _mm_storeu_ps(out + 2 * KEY_CHUNK + jj, _mm256_castps256_ps128(b));
+        if (NR > 3) _mm_storeu_ps(out + 3 * KEY_CHUNK + jj, _mm256_extractf128_ps(b, 1));
+      }
+    }
+  }
+#endif
+
+  // Raw scores q . k for rows [r0, r0 + rh_) and every key of the chunk; key rows are padded to a
+  // multiple of 8 with valid rows (their scores are never used).
+  template <typename S>
+  void compute_scores(int r0, const S* const* krows, int n) {
+    float* S_ = sc_.scores.data();
+    const int r1 = r0 + rh_;
+    int r = r0;
+    for (; r + 2 <= r1; r += 2)
+      for (int jj = 0; jj < n; jj += 4)
+        scores2x4(&sc_.q[r * d_], &sc_.q[(r + 1) * d_], krows + jj, d_, S_ + r * KEY_CHUNK + jj,
+                  S_ + (r + 1) * KEY_CHUNK + jj);
+    if (r < r1)
+      for (int jj = 0; jj < n; jj += 8)
+        scores8(&sc_.q[r * d_], krows + jj, d_, S_ + r * KEY_CHUNK + jj);
+  }
+
+  // Soft cap, ALiBi, then the mask: row r sees positions [pos - window + 1, pos], the chunk's
+  // keys [vis[2r], vis[2r + 1]); softmax_step computes only those (the rest get weight 0).
+  void finish_scores(int r, int64_t c0, int n) {
+    float* s = &sc_.scores[r * KEY_CHUNK];
+    const int64_t pos = sc_.pos[r];
+    if (p_.soft_cap > 0.f)
+      for (int jj = 0; jj < n; ++jj) s[jj] = p_.soft_cap * std::tanh(s[jj] / p_.soft_cap);
+    if (p_.alibi != nullptr) {
+      const float slope = p_.alibi[head(r)];
+      for (int jj = 0; jj < n; ++jj) s[jj] += slope * static_cast<float>(c0 + jj - pos);
+    }
+    const int64_t first = p_.window > 0 ? pos - p_.window + 1 : c0;
+    const int a = static_cast<int>(std::clamp<int64_t>(first - c0, 0, n));
+    sc_.vis[2 * r] = a;
+    sc_.vis[2 * r + 1] = static_cast<int>(std::clamp<int64_t>(pos + 1 - c0, a, n));
+  }
+
+  // Online softmax over each row's visible keys: scores become weights exp(s - m_new) (0 for the
+  // keys outside), acc and l are rescaled to m_new.
+  void softmax_step(int n) {
+    for (int r = 0; r < rows_; ++r) {
+      float* s = &sc_.scores[r * KEY_CHUNK];
+      const int a = sc_.vis[2 * r], b = sc_.vis[2 * r + 1];
+      const float m_new = std::max(sc_.m[r], row_max(s + a, b - a));
+      if (m_new == NEG_INF) {  // nothing visible yet for this row
+        weights(r, 0, 0, n, 0.f);
+        continue;
+      }
+      const float alpha = std::exp(sc_.m[r] - m_new);  // 0 when m was -inf
+      const float sum = weights(r, a, b, n, m_new);
+      if (alpha != 1.f) {
+        float* acc = &sc_.acc[r * d_];
+        for (int i = 0; i < d_; ++i) acc[i] *= alpha;
+      }
+      sc_.l[r] = sc_.l[r] * alpha + sum;
+      sc_.m[r] = m_new;
+    }
+  }
+
+  // Row r's weights for the chunk's n keys: exp(s - shift) on [a, b), 0 elsewhere; returns their
+  // (float32) sum. In place as float32, or, on the vdpbf16ps P.V path (pairs_), rounded to bf16
+  // into wb (as GPU flash attention rounds P for its P.V matrix product: relative error 2^-9 per
+  // weight; l and the accumulators stay float32), the whole KEY_CHUNK row cleared first, so the
+  // pad key of an odd n adds 0 x a finite row.
+  float weights(int r, int a, int b, int n, float shift) {
+    float* s = &sc_.scores[r * KEY_CHUNK];
+#if defined(PK_AVX512)
+    if (pairs_) {
+      uint16_t* w = &sc_.wb[r * KEY_CHUNK];
+      std::fill_n(w, KEY_CHUNK, uint16_t{0});
+      return exp_shifted_bf16(s, w, a, b, shift);
+    }
+#endif
+    std::fill(s, s + a, 0.f);
+    std::fill(s + b, s + n, 0.f);
+    return exp_shifted(s + a, b - a, shift);
+  }
+
+  // acc[r] += sum_j w[r][j] * V[j] over the chunk, rows in groups of up to 4 whose 8-float slices
+  // of acc stay in registers across the chunk's keys. With at most 4 rows (decode) V is widened
+  // straight from the cache; otherwise each V row is widened once into vf and reused per group.
+  // Keys [j0, j1) of the chunk; the paths other than accumulate_pairs take the whole chunk.
+  void accumulate_values(int hh, int j0, int j1, const T* const* vrows) {
+    const int first = hh * rh_;
+#if defined(PK_AVX512)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (pairs_) {
+        for (int r0 = first; r0 < first + rh_; r0 += 4)
+          switch (std::min(4, first + rh_ - r0)) {
+            case 4: accumulate_pairs<4>(r0, j0, j1, vrows); break;
+            case 3: accumulate_pairs<3>(r0, j0, j1, vrows); break;
+            case 2: accumulate_pairs<2>(r0, j0, j1, vrows); break;
+            default: accumulate_pairs<1>(r0, j0, j1, vrows); break;
+          }
+        return;
+      }
+    }
+#endif
+    assert(j0 == 0);
+    const int n = j1;
+    if (rh_ <= 4) {
+      accumulate_group(first, rh_, n, vrows);
+      return;
+    }
+    float* vf = sc_.vf.data();
+    for (int jj = 0; jj < n; ++jj) {
+      to_float(vrows[jj], vf + jj * d_, d_);
+      sc_.vfp[jj] = vf + jj * d_;
+    }
+    for (int r0 = first; r0 < first + rh_; r0 += 4)
+      accumulate_group(r0, std::min(4, first + rh_ - r0), n, sc_.vfp.data());
+  }
+
+#if defined(PK_AVX512)
+  // acc[r] += sum_j w[r][j] V[j] for NR rows from r0, two keys per vdpbf16ps: the V rows of keys
+  // j and j + 1 are interleaved into bf16 pairs (unpacklo/hi_epi16), the weights (w_j, w_j+1)
+  // broadcast as one pair. The unpack leaves the columns in the order pair_column describes,
+  // which acc keeps for the whole item (store() puts them back). Keys padded to a multiple of 2.
+  template <int NR>
+  void accumulate_pairs(int r0, int j0, int j1, const at::BFloat16* const* vrows) {
+    const uint16_t* w = &sc_.wb[r0 * KEY_CHUNK];
+    float* acc = &sc_.acc[r0 * d_];
+    int x = 0;
+    for (; x + 64 <= d_; x += 64) pairs_pass<NR, 2>(x, j0, j1, w, acc, vrows);
+    for (; x < d_; x += 32) pairs_pass<NR, 1>(x, j0, j1, w, acc, vrows);
+  }
+
+  // Columns [x, x + 32 * Z) of accumulate_pairs: NR x 2Z accumulators in registers over the keys.
+  template <int NR, int Z>
+  PK_INLINE void pairs_pass(int x, int j0, int j1, const uint16_t* w, float* acc,
+                            const at::BFloat16* const* vrows) {
+    __m512 a[NR][2 * Z];
+    for (int i = 0; i < NR; ++i)
+      for (int u = 0; u < 2 * Z; ++u) a[i][u] = _mm512_loadu_ps(acc + i * d_ + x + 16 * u);
+    for (int jj = j0; jj < j1; jj += 2) {
+      __m512i v[2 * Z];
+      for (int z = 0; z < Z; ++z) {
+        const __m512i v0 = _mm512_loadu_si512(vrows[jj] + x + 32 * z);
+        const __m512i v1 = _mm512_loadu_si512(vrows[jj + 1] + x + 32 * z);
+        v[2 * z] = _mm512_unpacklo_epi16(v0, v1);
+        v[2 * z + 1] = _mm512_unpackhi_epi16(v0, v1);
+      }
+      for (int i = 0; i < NR; ++i) {
+        uint32_t pair;
+        std::memcpy(&pair, w + i * KEY_CHUNK + jj, sizeof pair);
+        const __m512bh wi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int u = 0; u < 2 * Z; ++u) a[i][u] = _mm512_dpbf16_ps(a[i][u], wi, (__m512bh)v[u]);
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int u = 0; u < 2 * Z; ++u) _mm512_storeu_ps(acc + i * d_ + x + 16 * u, a[i][u]);
+  }
+#endif
+
+  template <typename S>
+  void accumulate_group(int r0, int nr, int n, const S* const* vrows) {
+    switch (nr) {
+      case 4: accumulate_rows<4>(r0, n, vrows); break;
+      case 3: accumulate_rows<3>(r0, n, vrows); break;
+      case 2: accumulate_rows<2>(r0, n, vrows); break;
+      default: accumulate_rows<1>(r0, n, vrows); break;
+    }
+  }
+
+  template <int NR, typename S>  // a compile-time row count keeps the accumulators in registers
+  void accumulate_rows(int r0, int n, const S* const* vrows) {
+    const float* w = &sc_.scores[r0 * KEY_CHUNK];
+    float* acc = &sc_.acc[r0 * d_];
+    int x = 0;
+#if defined(PK_AVX512)
+    // 64 columns at a time: NR x 4 independent accumulators, so consecutive keys' FMAs do not
+    // wait on each other's latency (one accumulator per row would chain all n FMAs).
+    for (; x + 64 <= d_; x += 64) {
+      __m512 a[NR][4];
+      for (int i = 0; i < NR; ++i)
+        for (int u = 0; u < 4; ++u) a[i][u] = _mm512_loadu_ps(acc + i * d_ + x + 16 * u);
+      for (int jj = 0; jj < n; ++jj) {
+        __m512 v[4];
+        for (int u = 0; u < 4; ++u) v[u] = load16(vrows[jj] + x + 16 * u);
+        for (int i = 0; i < NR; ++i) {
+          const __m512 wi = _mm512_set1_ps(w[i * KEY_CHUNK + jj]);
+          for (int u = 0; u < 4; ++u) a[i][u] = _mm512_fmadd_ps(wi, v[u], a[i][u]);
+        }
+      }
+      for (int i = 0; i < NR; ++i)
+        for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + i * d_ + x + 16 * u, a[i][u]);
+    }
+    for (; x + 16 <= d_; x += 16) {
+      __m512 a[NR];
+      for (int i = 0; i < NR; ++i) a[i] = _mm512_loadu_ps(acc + i * d_ + x);
+      for (int jj = 0; jj < n; ++jj) {
+        __m512 v = load16(vrows[jj] + x);
+        for (int i = 0; i < NR; ++i)
+          a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i * KEY_CHUNK + jj]), v, a[i]);
+      }
+      for (int i = 0; i < NR; ++i) _mm512_storeu_ps(acc + i * d_ + x, a[i]);
+    }
+#endif
+#if defined(PK_SIMD)
+    for (; x + 8 <= d_; x += 8) {
+      __m256 a[NR];
+      for (int i = 0; i < NR; ++i) a[i] = _mm256_loadu_ps(acc + i * d_ + x);
+      for (int jj = 0; jj < n; ++jj) {
+        __m256 v = load8(vrows[jj] + x);
+        for (int i = 0; i < NR; ++i)
+          a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * KEY_CHUNK + jj), v, a[i]);
+      }
+      for (int i = 0; i < NR; ++i) _mm256_storeu_ps(acc + i * d_ + x, a[i]);
+    }
+#endif
+    for (int i = 0; i < NR; ++i)
+      for (int jj = 0; jj < n; ++jj) {
+        const float wi = w[i * KEY_CHUNK + jj];
+        for (int y = x; y < d_; ++y) acc[i * d_ + y] += wi * scalar_float(vrows[jj][y]);
+      }
+  }
+
+  // The column that accumulate_pairs keeps at acc index i: per 32 columns, unpacklo_epi16 holds
+  // columns 8L + t (t < 4) of each 128-bit lane L in lanes 4L + t, unpackhi columns 8L + 4 + t.
+  static int pair_column(int i) {
+    const int z = i / 32, e = i % 32, hi = e / 16, lane = (e % 16) / 4, t = e % 4;
+    return 32 * z + 8 * lane + 4 * hi + t;
+  }
+
+  void store() {
+    for (int r = 0; r < rows_; ++r) {
+      T* dst = out_ + token(r) * p_.o_s0 + head(r) * p_.o_s1;
+      float inv = sc_.l[r] > 0.f ? 1.f / sc_.l[r] : 0.f;  // no visible key (invalid input): 0
+      const float* a = &sc_.acc[r * d_];
+      if (pairs_)
+        for (int i = 0; i < d_; ++i) dst[pair_column(i)] = from_float<T>(a[i] * inv);
+      else
+        for (int i = 0; i < d_; ++i) dst[i] = from_float<T>(a[i] * inv);
+      if (p_.lse != nullptr)
+        p_.lse[token(r) * p_.num_heads + head(r)] =
+            sc_.l[r] > 0.f ? sc_.m[r] + std::log(sc_.l[r]) : NEG_INF;
+    }
+  }
+
+  const Problem& p_;
+  const T* q_;
+  const T* k_;
+  const T* v_;
+  T* out_;
+  const Item& it_;
+  Scratch<T>& sc_;
+  const int d_, g_, rh_, nh_, rows_;  // rows per KV head, KV heads, rows of the item
+  const bool pairs_;  // P.V by accumulate_pairs (acc in pair_column order)
+};
+
+template <typename T>
+void run_items(const Problem& p, const at::Tensor& query, const at::Tensor& key_cache,
+               const at::Tensor& value_cache, at::Tensor& out, int64_t tile, int64_t threads) {
+  std::vector<Item> items = plan(p, tile);
+  const T* q = query.data_ptr<T>();
+  const T* k = key_cache.data_ptr<T>();
+  const T* v = value_cache.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int heads = static_cast<int>(heads_per_item(p));
+  const int rows = static_cast<int>(tile * p.group()) * heads;
+  const int64_t n = static_cast<int64_t>(items.size());
+  int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
+#pragma omp parallel num_threads(nthreads)
+  {
+    Scratch<T> sc(rows, static_cast<int>(p.head_size), heads);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) ItemKernel<T>(p, q, k, v, o, items[i], sc).run();
+  }
+}
+
+}  // namespace
