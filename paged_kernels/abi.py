@@ -1,12 +1,20 @@
 """The one place the block-table ABI is checked (see docs/abi.md).
 
-`check_attention_args` turns the public arguments of `paged_attention` into an `AttentionProblem`
-after checking shapes, dtypes, devices and strides on the host (no device synchronisation).
-`check_attention_contents` checks the values that are read (block ids, lengths); it synchronises,
-so it runs always in the reference backend and on request for the fast ones.
+Every argument check of the public API lives here, and each path runs the same functions:
+- `paged_attention`: `check_attention_args` is `check_layer_tensors` (query and caches),
+  `check_metadata` (block tables, lengths, query layout), `check_decode_tokens`, `check_scalars`,
+  `check_alibi_slopes` and `check_out`; it returns an `AttentionProblem`. `plan()` runs the
+  metadata checks once (with `check_plan_layout` and `check_plan_tokens` for what only a plan
+  has); each `AttentionPlan.run` runs `PlannedLayer.check_run`, which runs the layer checks.
+- `write_kv`: `check_write_kv_args` is `check_kv_tensors` and `check_slot_mapping`; a plan checks
+  the slots once and runs `PlannedLayer.check_write` (`check_kv_tensors`) per layer.
+- `copy_blocks`, `swap_blocks`, `merge_attn_states` and the custom operators' `lse` have theirs.
+These run on the host without synchronising with the device. The content checks
+(`check_metadata_contents`, `check_slot_contents`, `check_block_ids`) read values, so they
+synchronise; they run always in the reference backend and on request for the fast ones.
 
-Backends receive only `AttentionProblem`s that passed these checks, and declare what they support
-with a `Support`; `Support.check` raises `NotImplementedError` for anything outside it.
+Backends receive only arguments that passed these checks, and declare what they support with a
+`Support`; `Support.check` raises `NotImplementedError` for anything outside it.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -24,6 +32,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FEATURES = ("varlen", "sliding_window", "soft_cap", "alibi", "lse", "strided")
 
 CHECK_ENV = "PAGED_KERNELS_CHECK"
+
+_STRIDED = frozenset({"strided"})
 
 
 def _fail(kind: type, arg: str, expected: str, given: object) -> None:
@@ -180,11 +190,18 @@ class Support:
 
     def check(self, backend: str, problem: AttentionProblem) -> None:
         """Raises NotImplementedError naming `backend` and the first unsupported property."""
-        why = self.unsupported(problem.query.dtype, problem.head_size, problem.block_size,
-                               problem.features, problem.query.device.type)
+        self.check_config(backend, problem.query.dtype, problem.head_size, problem.block_size,
+                          problem.features, problem.query.device.type)
+
+    def check_config(self, backend: str, dtype: torch.dtype, head_size: int, block_size: int,
+                     features: frozenset[str], device_type: str) -> None:
+        """`check` for a configuration given by its properties (what a plan knows)."""
+        why = self.unsupported(dtype, head_size, block_size, features, device_type)
         if why is not None:
             raise NotImplementedError(f"backend {backend!r} does not support {why}")
 
+
+# --- paged_attention: one layer's tensors ------------------------------------------------------
 
 def _check_cache(arg: str, cache: object, query: torch.Tensor) -> torch.Tensor:
     cache = _require_tensor(arg, cache)
@@ -211,7 +228,27 @@ def _check_query(query: object) -> torch.Tensor:
     return query
 
 
-def _check_out(out: Optional[torch.Tensor], query: torch.Tensor) -> torch.Tensor:
+def check_layer_tensors(query: object, key_cache: object, value_cache: object
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks `paged_attention`'s `query` (`[num_tokens, num_heads, head_size]`, float, last
+    dimension contiguous) and caches (`[num_blocks, num_kv_heads, block_size, head_size]`, the
+    query's dtype, device and head size, last dimension contiguous, equal shapes, `num_kv_heads`
+    dividing `num_heads`); returns `(query, key_cache, value_cache)`."""
+    q = _check_query(query)
+    k = _check_cache("key_cache", key_cache, q)
+    v = _check_cache("value_cache", value_cache, q)
+    if v.shape != k.shape:
+        _fail(ValueError, "value_cache", f"the key_cache's shape {tuple(k.shape)}", _describe(v))
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        _fail(ValueError, "key_cache", f"num_kv_heads dividing num_heads={num_heads}",
+              f"num_kv_heads={num_kv_heads}")
+    return q, k, v
+
+
+def check_out(out: object, query: torch.Tensor) -> torch.Tensor:
+    """`out` checked against a checked `query` (same shape, dtype and device, last dimension
+    contiguous), or a new contiguous tensor like `query` when `out` is None."""
     if out is None:
         return torch.empty_like(query, memory_format=torch.contiguous_format)
     out = _require_tensor("out", out)
@@ -222,6 +259,44 @@ def _check_out(out: Optional[torch.Tensor], query: torch.Tensor) -> torch.Tensor
     if out.stride(2) != 1:
         _fail(ValueError, "out", "a contiguous last dimension", f"strides {tuple(out.stride())}")
     return out
+
+
+def check_lse(lse: Optional[torch.Tensor], query: torch.Tensor) -> None:
+    """A caller-given `lse` (custom operators): None, or float32 `[num_tokens, num_heads]` on
+    the query's device."""
+    if lse is None:
+        return
+    shape = tuple(query.shape[:2])
+    if lse.dtype != torch.float32 or tuple(lse.shape) != shape or lse.device != query.device:
+        _fail(ValueError, "lse", f"a float32 tensor of shape {shape} on {query.device}",
+              _describe(lse))
+
+
+# --- paged_attention: one step's metadata ------------------------------------------------------
+
+def check_metadata(block_tables: object, seq_lens: object, cu_seqlens_q: object,
+                   device: Optional[torch.device] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Checks `block_tables` (int32 `[num_seqs, max_blocks_per_seq]`), `seq_lens` (int32
+    `[num_seqs]`) and `cu_seqlens_q` (None, or int32 `[num_seqs + 1]`), all on `device`
+    (default: `block_tables`' device); returns them."""
+    if device is None:
+        device = _require_tensor("block_tables", block_tables).device
+    bt = require_int_tensor("block_tables", block_tables, torch.int32, (None, None), device)
+    num_seqs = bt.shape[0]
+    sl = require_int_tensor("seq_lens", seq_lens, torch.int32, (num_seqs,), device)
+    cu = None
+    if cu_seqlens_q is not None:
+        cu = require_int_tensor("cu_seqlens_q", cu_seqlens_q, torch.int32, (num_seqs + 1,),
+                                device)
+    return bt, sl, cu
+
+
+def check_decode_tokens(num_tokens: int, num_seqs: int, decode: bool) -> None:
+    """A decode step (`cu_seqlens_q` None) has one query token per sequence."""
+    if decode and num_tokens != num_seqs:
+        _fail(ValueError, "query", f"num_tokens == num_seqs={num_seqs} when cu_seqlens_q is None "
+              "(decode)", f"num_tokens={num_tokens}")
 
 
 def check_alibi_slopes(alibi_slopes: Optional[torch.Tensor], num_heads: int,
@@ -237,10 +312,12 @@ def check_alibi_slopes(alibi_slopes: Optional[torch.Tensor], num_heads: int,
     return slopes
 
 
-def _check_scalars(
+def check_scalars(
     head_size: int, scale: Optional[float], sliding_window: Optional[int],
     soft_cap: Optional[float],
 ) -> float:
+    """Checks `scale` (finite, > 0), `sliding_window` (None or an int >= 1) and `soft_cap`
+    (None, or finite and > 0); returns `scale`, defaulting to `1 / sqrt(head_size)`."""
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
@@ -257,6 +334,24 @@ def _check_scalars(
     return float(scale)
 
 
+def requested_features(cu_seqlens_q: Optional[torch.Tensor], sliding_window: Optional[int],
+                       soft_cap: Optional[float], alibi_slopes: Optional[torch.Tensor],
+                       return_lse: bool) -> frozenset[str]:
+    """The FEATURES a call asks for by its arguments ("strided" depends on each layer's caches)."""
+    used = (("varlen", cu_seqlens_q is not None), ("sliding_window", sliding_window is not None),
+            ("soft_cap", soft_cap is not None), ("alibi", alibi_slopes is not None),
+            ("lse", bool(return_lse)))
+    return frozenset(name for name, on in used if on)
+
+
+def strided_features(features: frozenset[str], key_cache: torch.Tensor,
+                     value_cache: torch.Tensor) -> frozenset[str]:
+    """`features`, plus "strided" when a cache is not contiguous."""
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        return features
+    return features | _STRIDED
+
+
 def check_attention_args(
     query: object, key_cache: object, value_cache: object, block_tables: object,
     seq_lens: object, *, cu_seqlens_q: object = None, scale: Optional[float] = None,
@@ -268,46 +363,261 @@ def check_attention_args(
     Raises TypeError (wrong type or dtype) or ValueError (wrong shape, device, stride or value),
     with a message naming the argument, what was expected and what was given.
     """
-    q = _check_query(query)
+    q, k, v = check_layer_tensors(query, key_cache, value_cache)
     num_tokens, num_heads, head_size = q.shape
-    k = _check_cache("key_cache", key_cache, q)
-    v = _check_cache("value_cache", value_cache, q)
-    if v.shape != k.shape:
-        _fail(ValueError, "value_cache", f"the key_cache's shape {tuple(k.shape)}", _describe(v))
-    num_kv_heads = k.shape[1]
-    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
-        _fail(ValueError, "key_cache", f"num_kv_heads dividing num_heads={num_heads}",
-              f"num_kv_heads={num_kv_heads}")
-    bt = require_int_tensor("block_tables", block_tables, torch.int32, (None, None), q.device)
-    num_seqs = bt.shape[0]
-    sl = require_int_tensor("seq_lens", seq_lens, torch.int32, (num_seqs,), q.device)
-    features = set()
-    cu = None
-    if cu_seqlens_q is not None:
-        cu = require_int_tensor("cu_seqlens_q", cu_seqlens_q, torch.int32, (num_seqs + 1,),
-                                q.device)
-        features.add("varlen")
-    elif num_tokens != num_seqs:
-        _fail(ValueError, "query", f"num_tokens == num_seqs={num_seqs} when cu_seqlens_q is None "
-              "(decode)", f"num_tokens={num_tokens}")
-    resolved_scale = _check_scalars(head_size, scale, sliding_window, soft_cap)
+    bt, sl, cu = check_metadata(block_tables, seq_lens, cu_seqlens_q, q.device)
+    check_decode_tokens(num_tokens, bt.shape[0], cu is None)
+    resolved_scale = check_scalars(head_size, scale, sliding_window, soft_cap)
     slopes = check_alibi_slopes(alibi_slopes, num_heads, q.device)
-    if slopes is not None:
-        features.add("alibi")
-    o = _check_out(out, q)
+    o = check_out(out, q)
     lse = None
     if return_lse:
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-        features.add("lse")
-    if sliding_window is not None:
-        features.add("sliding_window")
-    if soft_cap is not None:
-        features.add("soft_cap")
-    if not (k.is_contiguous() and v.is_contiguous()):
-        features.add("strided")
+    features = requested_features(cu, sliding_window, soft_cap, slopes, return_lse)
     return AttentionProblem(q, k, v, bt, sl, cu, o, lse, resolved_scale, sliding_window,
-                            soft_cap, slopes, frozenset(features))
+                            soft_cap, slopes, strided_features(features, k, v))
 
+
+# --- plan(): what only a plan has --------------------------------------------------------------
+
+def _require_positive_int(arg: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _fail(ValueError, arg, "an int >= 1", repr(value))
+    return value  # type: ignore[return-value]
+
+
+def check_plan_layout(num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+                      num_blocks: int, dtype: torch.dtype) -> None:
+    """The sizes a plan is made for: ints >= 1, `num_kv_heads` dividing `num_heads`, a float
+    dtype."""
+    for arg, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                       ("head_size", head_size), ("block_size", block_size),
+                       ("num_blocks", num_blocks)):
+        _require_positive_int(arg, value)
+    if num_heads % num_kv_heads:
+        _fail(ValueError, "num_kv_heads", f"a divisor of num_heads={num_heads}", num_kv_heads)
+    if dtype not in FLOAT_DTYPES:
+        _fail(TypeError, "dtype", " or ".join(str(d) for d in FLOAT_DTYPES), dtype)
+
+
+def _resolve_num_tokens(num_tokens: Optional[int], num_seqs: int,
+                        cu_seqlens_q: Optional[torch.Tensor],
+                        slot_mapping: Optional[torch.Tensor]) -> int:
+    if num_tokens is not None:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            _fail(ValueError, "num_tokens", "None or an int >= 0", repr(num_tokens))
+    elif cu_seqlens_q is None:
+        num_tokens = num_seqs
+    elif slot_mapping is not None:
+        num_tokens = slot_mapping.shape[0]
+    else:
+        num_tokens = int(cu_seqlens_q[-1])
+    if cu_seqlens_q is None and num_tokens != num_seqs:
+        _fail(ValueError, "num_tokens", f"num_seqs={num_seqs} when cu_seqlens_q is None "
+              "(decode)", num_tokens)
+    return num_tokens
+
+
+def check_plan_tokens(num_tokens: Optional[int], num_seqs: int,
+                      cu_seqlens_q: Optional[torch.Tensor], slot_mapping: object,
+                      device: torch.device) -> tuple[int, Optional[torch.Tensor]]:
+    """A plan's `num_tokens` (None, or an int >= 0 that is `num_seqs` in decode) and
+    `slot_mapping` (None, or `check_slot_mapping`'s int64 `[num_tokens]`); returns both, the
+    number resolved: as given, else num_seqs (decode), the slot_mapping's length, or
+    `cu_seqlens_q[-1]` (one read of the tensor)."""
+    slots = None
+    if slot_mapping is not None:
+        slots = require_int_tensor("slot_mapping", slot_mapping, torch.int64, (None,), device)
+    tokens = _resolve_num_tokens(num_tokens, num_seqs, cu_seqlens_q, slots)
+    if slots is not None:
+        check_slot_mapping(slots, tokens, device)
+    return tokens, slots
+
+
+def _matches(t: object, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+             contiguous_dim: int) -> bool:
+    return (isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
+            and t.device == device and t.stride(contiguous_dim) == 1)
+
+
+def _check_planned(arg: str, t: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+                   device: torch.device, contiguous_dim: Optional[int] = None) -> None:
+    if t.dtype != dtype:
+        _fail(TypeError, arg, f"dtype {dtype} (the plan's)", _describe(t))
+    if t.shape != shape:
+        _fail(ValueError, arg, f"shape {tuple(shape)} (from the plan)", _describe(t))
+    _require_device(arg, t, device)
+    if contiguous_dim is not None and t.stride(contiguous_dim) != 1:
+        _fail(ValueError, arg, "a contiguous last dimension (stride 1)",
+              f"strides {tuple(t.stride())}")
+
+
+@dataclass(frozen=True)
+class PlannedLayer:
+    """What a plan expects of each layer's tensors: its dtype and device, queries
+    `query_shape` (`[num_tokens, num_heads, head_size]`), K/V rows `kv_shape` (`[num_tokens,
+    num_kv_heads, head_size]`), caches `cache_shape`, and whether it is a decode step.
+
+    A layer's tensors that equal these by attribute comparison pass the one-shot call's checks
+    (the plan's sizes were checked by `check_plan_layout`), so `check_run`/`check_write` accept
+    them at once; any others go through the one-shot call's own checks, which raise its errors,
+    then through a comparison with the plan that names what differs."""
+
+    dtype: torch.dtype
+    device: torch.device
+    query_shape: torch.Size
+    kv_shape: torch.Size
+    cache_shape: torch.Size
+    decode: bool
+
+    def check_run(self, query: object, key_cache: object, value_cache: object,
+                  out: object) -> torch.Tensor:
+        """`AttentionPlan.run`'s checks; returns `out` (allocated when None)."""
+        if not (_matches(query, self.query_shape, self.dtype, self.device, 2)
+                and _matches(key_cache, self.cache_shape, self.dtype, self.device, 3)
+                and _matches(value_cache, self.cache_shape, self.dtype, self.device, 3)
+                and (out is None or _matches(out, self.query_shape, self.dtype, self.device, 2))):
+            q, k, _ = check_layer_tensors(query, key_cache, value_cache)
+            # in decode the plan's num_tokens is num_seqs (resolve_num_tokens)
+            check_decode_tokens(q.shape[0], self.query_shape[0], self.decode)
+            out = check_out(out, q)
+            _check_planned("query", q, self.query_shape, self.dtype, self.device)
+            _check_planned("key_cache", k, self.cache_shape, self.dtype, self.device)
+        if out is None:
+            return torch.empty_like(query, memory_format=torch.contiguous_format)
+        return out  # type: ignore[return-value]
+
+    def check_write(self, key: object, value: object, key_cache: object,
+                    value_cache: object) -> None:
+        """`AttentionPlan.write_kv`'s checks (K/V rows with a contiguous last dimension)."""
+        if not (_matches(key, self.kv_shape, self.dtype, self.device, 2)
+                and _matches(value, self.kv_shape, self.dtype, self.device, 2)
+                and _matches(key_cache, self.cache_shape, self.dtype, self.device, 3)
+                and _matches(value_cache, self.cache_shape, self.dtype, self.device, 3)):
+            key, value, k, _ = check_kv_tensors(key, value, key_cache, value_cache)
+            for arg, t in (("key", key), ("value", value)):
+                _check_planned(arg, t, self.kv_shape, self.dtype, self.device, contiguous_dim=2)
+            _check_planned("key_cache", k, self.cache_shape, self.dtype, self.device)
+
+
+def require_planned_slots(slot_mapping: Optional[torch.Tensor]) -> torch.Tensor:
+    """The plan's `slot_mapping`, which `AttentionPlan.write_kv` needs."""
+    if slot_mapping is None:
+        _fail(ValueError, "slot_mapping", "an int64 tensor given to plan() before "
+              "AttentionPlan.write_kv is called", None)
+    return slot_mapping  # type: ignore[return-value]
+
+
+# --- write_kv and the block operations ---------------------------------------------------------
+
+def _check_kv_rows(arg: str, t: object, cache: torch.Tensor) -> torch.Tensor:
+    t = _require_tensor(arg, t)
+    expected = (cache.shape[1], cache.shape[3])
+    if t.dim() != 3 or tuple(t.shape[1:]) != expected or t.dtype != cache.dtype:
+        _fail(ValueError, arg, f"a {cache.dtype} tensor [num_tokens, {expected[0]}, "
+              f"{expected[1]}] matching the cache", _describe(t))
+    if t.device != cache.device:
+        _fail(ValueError, arg, f"a tensor on {cache.device} (the cache's device)", _describe(t))
+    return t
+
+
+def check_cache_pair(key_cache: object, value_cache: object
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's caches for the cache operations: float 4-D `[num_blocks, num_kv_heads,
+    block_size, head_size]`, equal shapes, dtypes and devices, last dimension contiguous."""
+    k = _require_tensor("key_cache", key_cache)
+    v = _require_tensor("value_cache", value_cache)
+    if k.dim() != 4 or k.dtype not in FLOAT_DTYPES:
+        _fail(ValueError, "key_cache", "a float 4-D tensor [num_blocks, num_kv_heads, "
+              "block_size, head_size]", _describe(k))
+    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+        _fail(ValueError, "value_cache", f"the key_cache's shape, dtype and device "
+              f"({_describe(k)})", _describe(v))
+    for arg, t in (("key_cache", k), ("value_cache", v)):
+        if t.stride(3) != 1:
+            _fail(ValueError, arg, "a contiguous last dimension", f"strides {tuple(t.stride())}")
+    return k, v
+
+
+def check_kv_tensors(key: object, value: object, key_cache: object, value_cache: object
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`write_kv`'s tensors: `check_cache_pair`, and `key`/`value` `[num_tokens, num_kv_heads,
+    head_size]` in the caches' dtype and device, of equal shapes; returns `(key, value,
+    key_cache, value_cache)`."""
+    k_cache, v_cache = check_cache_pair(key_cache, value_cache)
+    key = _check_kv_rows("key", key, k_cache)
+    value = _check_kv_rows("value", value, k_cache)
+    if value.shape != key.shape:
+        _fail(ValueError, "value", f"the key's shape {tuple(key.shape)}", _describe(value))
+    return key, value, k_cache, v_cache
+
+
+def check_slot_mapping(slot_mapping: object, num_tokens: int,
+                       device: torch.device) -> torch.Tensor:
+    """`slot_mapping`: int64 `[num_tokens]` on `device`."""
+    return require_int_tensor("slot_mapping", slot_mapping, torch.int64, (num_tokens,), device)
+
+
+def check_write_kv_args(
+    key: object, value: object, key_cache: object, value_cache: object, slot_mapping: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host-side checks of `write_kv` (shapes, dtypes, devices, strides); returns
+    `(key, value, key_cache, value_cache)`. Raises TypeError/ValueError naming the argument."""
+    key, value, k_cache, v_cache = check_kv_tensors(key, value, key_cache, value_cache)
+    check_slot_mapping(slot_mapping, key.shape[0], k_cache.device)
+    return key, value, k_cache, v_cache
+
+
+def check_block_mapping(block_mapping: object, device: torch.device) -> torch.Tensor:
+    """`block_mapping`: int64 `[n, 2]` on `device`."""
+    return require_int_tensor("block_mapping", block_mapping, torch.int64, (None, 2), device)
+
+
+def check_copy_blocks_args(key_caches: Sequence[object], value_caches: Sequence[object],
+                           block_mapping: object
+                           ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """`copy_blocks`' arguments: one value cache per key cache (at least one), each pair through
+    `check_cache_pair`, all on one device with the mapping; returns `(key_caches, value_caches,
+    block_mapping)`."""
+    if len(key_caches) != len(value_caches) or not key_caches:
+        _fail(ValueError, "value_caches", f"{len(key_caches)} caches (one per key cache, >= 1)",
+              len(value_caches))
+    pairs = [check_cache_pair(k, v) for k, v in zip(key_caches, value_caches)]
+    device = pairs[0][0].device
+    mapping = check_block_mapping(block_mapping, device)
+    for k, _ in pairs:
+        if k.device != device:
+            _fail(ValueError, "key_caches", f"every cache on {device}", _describe(k))
+    return [k for k, _ in pairs], [v for _, v in pairs], mapping
+
+
+def check_swap_blocks_args(src: object, dst: object, block_mapping: object
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`swap_blocks`' arguments: caches of one dtype and per-block shape (any devices), the
+    mapping on the CPU; returns `(src, dst, block_mapping)`."""
+    src = _require_tensor("src", src)
+    dst = _require_tensor("dst", dst)
+    if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
+        _fail(ValueError, "dst", f"a {src.dtype} cache with per-block shape "
+              f"{tuple(src.shape[1:])} (the src's)", _describe(dst))
+    return src, dst, check_block_mapping(block_mapping, torch.device("cpu"))
+
+
+def check_merge_args(out_a: object, lse_a: object, out_b: object, lse_b: object) -> None:
+    """`merge_attn_states`' arguments: `out_b` of `out_a`'s shape, `lse_*` float32
+    `[num_tokens, num_heads]`."""
+    b, la, lb = (_require_tensor(arg, t) for arg, t in
+                 (("out_b", out_b), ("lse_a", lse_a), ("lse_b", lse_b)))
+    a = _require_tensor("out_a", out_a)
+    if b.shape != a.shape:
+        _fail(ValueError, "out_b", f"out_a's shape {tuple(a.shape)}", _describe(b))
+    for arg, t in (("lse_a", la), ("lse_b", lb)):
+        if t.shape != a.shape[:2] or t.dtype != torch.float32:
+            _fail(ValueError, arg, f"a float32 tensor of shape {tuple(a.shape[:2])}",
+                  _describe(t))
+
+
+# --- content checks (read values: synchronise) -------------------------------------------------
 
 def content_checks_requested(check: Optional[bool]) -> bool:
     """`check` if given, else whether the PAGED_KERNELS_CHECK environment variable is set."""
@@ -365,3 +675,11 @@ def check_slot_contents(slot_mapping: torch.Tensor, num_slots: int) -> None:
     if slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
         _fail(ValueError, "slot_mapping", f"slots < num_blocks * block_size = {num_slots} "
               "(or negative to skip)", f"max {int(slot_mapping.max())}")
+
+
+def check_block_ids(which: str, ids: torch.Tensor, num_blocks: int) -> None:
+    """The content check of a `block_mapping` (synchronises): `which` ids ("src/dst", "source",
+    "destination") are in `[0, num_blocks)`."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        _fail(ValueError, "block_mapping", f"{which} block ids in [0, {num_blocks})",
+              f"min {int(ids.min())}, max {int(ids.max())}")

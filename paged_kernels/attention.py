@@ -13,15 +13,14 @@ from typing import Optional, Sequence, Union
 import torch
 
 from paged_kernels.abi import (
-    FLOAT_DTYPES,
-    _describe,
-    _fail,
-    _require_tensor,
     check_attention_args,
     check_attention_contents,
+    check_copy_blocks_args,
+    check_merge_args,
     check_slot_contents,
+    check_swap_blocks_args,
+    check_write_kv_args,
     content_checks_requested,
-    require_int_tensor,
 )
 from paged_kernels.backends import resolve_backend
 from paged_kernels.plan import AttentionPlan, plan
@@ -74,46 +73,6 @@ def paged_attention(
     return problem.out
 
 
-def _check_kv_rows(arg: str, t: object, cache: torch.Tensor) -> torch.Tensor:
-    t = _require_tensor(arg, t)
-    expected = (cache.shape[1], cache.shape[3])
-    if t.dim() != 3 or tuple(t.shape[1:]) != expected or t.dtype != cache.dtype:
-        _fail(ValueError, arg, f"a {cache.dtype} tensor [num_tokens, {expected[0]}, "
-              f"{expected[1]}] matching the cache", _describe(t))
-    if t.device != cache.device:
-        _fail(ValueError, arg, f"a tensor on {cache.device} (the cache's device)", _describe(t))
-    return t
-
-
-def _check_cache_pair(key_cache: object, value_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
-    k = _require_tensor("key_cache", key_cache)
-    v = _require_tensor("value_cache", value_cache)
-    if k.dim() != 4 or k.dtype not in FLOAT_DTYPES:
-        _fail(ValueError, "key_cache", "a float 4-D tensor [num_blocks, num_kv_heads, "
-              "block_size, head_size]", _describe(k))
-    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
-        _fail(ValueError, "value_cache", f"the key_cache's shape, dtype and device "
-              f"({_describe(k)})", _describe(v))
-    for arg, t in (("key_cache", k), ("value_cache", v)):
-        if t.stride(3) != 1:
-            _fail(ValueError, arg, "a contiguous last dimension", f"strides {tuple(t.stride())}")
-    return k, v
-
-
-def check_write_kv_args(
-    key: object, value: object, key_cache: object, value_cache: object, slot_mapping: object,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The host-side checks of `write_kv` (shapes, dtypes, devices, strides); returns
-    `(key, value, key_cache, value_cache)`. Raises TypeError/ValueError naming the argument."""
-    k_cache, v_cache = _check_cache_pair(key_cache, value_cache)
-    key = _check_kv_rows("key", key, k_cache)
-    value = _check_kv_rows("value", value, k_cache)
-    if value.shape != key.shape:
-        _fail(ValueError, "value", f"the key's shape {tuple(key.shape)}", _describe(value))
-    require_int_tensor("slot_mapping", slot_mapping, torch.int64, (key.shape[0],), k_cache.device)
-    return key, value, k_cache, v_cache
-
-
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -139,10 +98,6 @@ def write_kv(
     impl.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
-def _check_block_mapping(block_mapping: object, device: torch.device) -> torch.Tensor:
-    return require_int_tensor("block_mapping", block_mapping, torch.int64, (None, 2), device)
-
-
 def copy_blocks(
     key_caches: Sequence[torch.Tensor],
     value_caches: Sequence[torch.Tensor],
@@ -153,18 +108,9 @@ def copy_blocks(
     """For each `(src, dst)` row of `block_mapping` (int64 `[n, 2]`), copies block `src` to block
     `dst` in every layer's key and value cache (the copy step of copy-on-write). A `dst` must not
     also be a `src` in the same call."""
-    if len(key_caches) != len(value_caches) or not key_caches:
-        _fail(ValueError, "value_caches", f"{len(key_caches)} caches (one per key cache, >= 1)",
-              len(value_caches))
-    pairs = [_check_cache_pair(k, v) for k, v in zip(key_caches, value_caches)]
-    device = pairs[0][0].device
-    mapping = _check_block_mapping(block_mapping, device)
-    for k, _ in pairs:
-        if k.device != device:
-            _fail(ValueError, "key_caches", f"every cache on {device}", _describe(k))
+    keys, values, mapping = check_copy_blocks_args(key_caches, value_caches, block_mapping)
     if mapping.shape[0]:
-        resolve_backend(backend, device).copy_blocks([k for k, _ in pairs],
-                                                     [v for _, v in pairs], mapping)
+        resolve_backend(backend, keys[0].device).copy_blocks(keys, values, mapping)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor, *,
@@ -172,12 +118,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     """For each `(s, d)` row of `block_mapping` (int64 `[n, 2]`, on the CPU), copies block `s` of
     cache `src` to block `d` of cache `dst`. The caches may be on different devices (CPU memory and
     an accelerator) and must agree in dtype and per-block shape."""
-    src = _require_tensor("src", src)
-    dst = _require_tensor("dst", dst)
-    if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        _fail(ValueError, "dst", f"a {src.dtype} cache with per-block shape "
-              f"{tuple(src.shape[1:])} (the src's)", _describe(dst))
-    mapping = _check_block_mapping(block_mapping, torch.device("cpu"))
+    src, dst, mapping = check_swap_blocks_args(src, dst, block_mapping)
     accel = dst.device if dst.device.type != "cpu" else src.device
     if mapping.shape[0]:
         resolve_backend(backend, accel).swap_blocks(src, dst, mapping)
@@ -192,15 +133,7 @@ def merge_attn_states(
     (as returned with `return_lse=True`). A side with no visible keys has `lse = -inf` and
     contributes nothing. Returns `(out, lse)` in `out_a`'s dtype and float32.
     """
-    for arg, t in (("out_b", out_b), ("lse_a", lse_a), ("lse_b", lse_b)):
-        _require_tensor(arg, t)
-    _require_tensor("out_a", out_a)
-    if out_b.shape != out_a.shape:
-        _fail(ValueError, "out_b", f"out_a's shape {tuple(out_a.shape)}", _describe(out_b))
-    for arg, t in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if t.shape != out_a.shape[:2] or t.dtype != torch.float32:
-            _fail(ValueError, arg, f"a float32 tensor of shape {tuple(out_a.shape[:2])}",
-                  _describe(t))
+    check_merge_args(out_a, lse_a, out_b, lse_b)
     lse = torch.logaddexp(lse_a, lse_b)
     finite = torch.isfinite(lse)
     safe = torch.where(finite, lse, torch.zeros_like(lse))

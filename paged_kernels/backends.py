@@ -20,9 +20,13 @@ from typing import Optional, Sequence
 
 import torch
 
+from paged_kernels import cache_ops
 from paged_kernels.abi import AttentionProblem, Support
 
 BACKEND_ENV = "PAGED_KERNELS_BACKEND"
+
+#: `Backend.block_ops` of a backend that runs the generic PyTorch `copy_blocks`/`swap_blocks`.
+GENERIC_BLOCK_OPS = "generic (paged_kernels.cache_ops)"
 
 #: name -> "module:attribute" of a zero-argument factory returning a Backend, in the order
 #: "auto" tries them (fastest first). Nothing is imported until a backend is first asked for.
@@ -50,6 +54,10 @@ class Backend(ABC):
     priority: int = 0
     #: Whether content checks (block ids, lengths) always run before this backend.
     always_check_contents: bool = False
+    #: Which `copy_blocks`/`swap_blocks` this backend runs: GENERIC_BLOCK_OPS (the methods
+    #: below), or, for a backend that overrides both, where its own kernels are. Each backend
+    #: declares it; docs/support-matrix.md lists it.
+    block_ops: str = GENERIC_BLOCK_OPS
 
     @property
     @abstractmethod
@@ -68,14 +76,12 @@ class Backend(ABC):
     def copy_blocks(self, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
                     block_mapping: torch.Tensor) -> None:
         """Copies block `src` to block `dst` for each row of `block_mapping`, in every layer."""
-        from reference.cache_ops import copy_blocks
-        copy_blocks(key_caches, value_caches, block_mapping)
+        cache_ops.copy_blocks(key_caches, value_caches, block_mapping)
 
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor,
                     block_mapping: torch.Tensor) -> None:
         """Copies block `src` of cache `src` to block `dst` of cache `dst` (devices may differ)."""
-        from reference.cache_ops import swap_blocks
-        swap_blocks(src, dst, block_mapping)
+        cache_ops.swap_blocks(src, dst, block_mapping)
 
 
 class BackendUnavailable(RuntimeError):

@@ -33,7 +33,7 @@ from typing import Optional, Union
 import torch
 
 from paged_kernels import attention
-from paged_kernels.abi import check_attention_args
+from paged_kernels.abi import check_attention_args, check_lse, check_write_kv_args
 
 __all__ = ["paged_attention", "write_kv"]
 
@@ -67,16 +67,7 @@ def _paged_attention_fake(
     check_attention_args(query, key_cache, value_cache, block_tables, seq_lens,
                          cu_seqlens_q=cu_seqlens_q, scale=scale, sliding_window=sliding_window,
                          soft_cap=soft_cap, alibi_slopes=alibi_slopes, out=out)
-    _check_lse(lse, query)
-
-
-def _check_lse(lse: Optional[torch.Tensor], query: torch.Tensor) -> None:
-    if lse is None:
-        return
-    shape = tuple(query.shape[:2])
-    if lse.dtype != torch.float32 or tuple(lse.shape) != shape or lse.device != query.device:
-        raise ValueError(f"lse: expected a float32 tensor of shape {shape} on {query.device}, "
-                         f"got {lse.dtype} tensor of shape {tuple(lse.shape)} on {lse.device}")
+    check_lse(lse, query)
 
 
 @torch.library.custom_op("paged_kernels::write_kv", mutates_args=("key_cache", "value_cache"))
@@ -94,7 +85,7 @@ def _write_kv_fake(
     slot_mapping: torch.Tensor, backend: str,
 ) -> None:
     # the host-side checks of attention.write_kv, so a malformed call fails at trace time
-    attention.check_write_kv_args(key, value, key_cache, value_cache, slot_mapping)
+    check_write_kv_args(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(

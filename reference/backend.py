@@ -3,12 +3,10 @@ torch runs on. Content checks always run before it, so its errors are the ABI's 
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from paged_kernels.abi import FEATURES, FLOAT_DTYPES, AttentionProblem, Support
-from paged_kernels.backends import Backend
+from paged_kernels.backends import GENERIC_BLOCK_OPS, Backend
 from reference import attention, cache_ops
 
 
@@ -18,6 +16,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
     always_check_contents = True
+    block_ops = GENERIC_BLOCK_OPS
     _support = Support(
         dtypes=frozenset(FLOAT_DTYPES),
         device_types=frozenset({"cpu", "cuda"}),
@@ -34,11 +33,3 @@ class ReferenceBackend(Backend):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         cache_ops.write_kv(key, value, key_cache, value_cache, slot_mapping)
-
-    def copy_blocks(self, key_caches: Sequence[torch.Tensor],
-                    value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
-        cache_ops.copy_blocks(key_caches, value_caches, block_mapping)
-
-    def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor,
-                    block_mapping: torch.Tensor) -> None:
-        cache_ops.swap_blocks(src, dst, block_mapping)

@@ -1,4 +1,6 @@
-"""Every bad input listed in docs/abi.md raises the documented error, naming the argument."""
+"""Every bad input listed in docs/abi.md raises the documented error, naming the argument, and
+the same error through a plan (`plan(...)` then `run` / `write_kv`) as through the one-shot call.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import torch
 
 import paged_kernels as pk
 from paged_case import make_case
+from paged_kernels.attention import plan
 
 
 @pytest.fixture
@@ -15,13 +18,40 @@ def case():
                      dtype=torch.float32)
 
 
-def call(case, **overrides):
+def _arguments(case, overrides: dict) -> dict:
     args = dict(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache,
                 block_tables=case.block_tables, seq_lens=case.seq_lens,
                 cu_seqlens_q=case.cu_seqlens_q)
     args.update(overrides)
+    return args
+
+
+def call(case, **overrides):
+    """The one-shot `paged_attention` on the fixture's arguments, some replaced."""
+    args = _arguments(case, overrides)
     return pk.paged_attention(args.pop("query"), args.pop("key_cache"), args.pop("value_cache"),
                               args.pop("block_tables"), args.pop("seq_lens"), **args)
+
+
+def call_planned(case, **overrides):
+    """The same call through a plan: `plan(<metadata and options>)` for the fixture's layout (the
+    model's), then `run(<the layer's tensors>)`."""
+    args = _arguments(case, overrides)
+    layer = [args.pop(name) for name in ("query", "key_cache", "value_cache")]
+    out = args.pop("out", None)
+    _, num_heads, head_size = case.query.shape
+    num_blocks, num_kv_heads, block_size, _ = case.key_cache.shape
+    attn = plan(args.pop("block_tables"), args.pop("seq_lens"), num_heads=num_heads,
+                num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
+                num_blocks=num_blocks, dtype=case.query.dtype, **args)
+    return attn.run(*layer, out=out)
+
+
+def raised(fn, *args, **kwargs) -> Exception:
+    """The exception `fn(*args, **kwargs)` raises (failing the test when it raises none)."""
+    with pytest.raises(Exception) as info:
+        fn(*args, **kwargs)
+    return info.value
 
 
 BAD_ARGS = [
@@ -37,7 +67,8 @@ BAD_ARGS = [
      ["key_cache", "float32"]),
     ("value shape", lambda c: {"value_cache": c.value_cache[:-1]}, ValueError, ["value_cache"]),
     ("3-D cache", lambda c: {"key_cache": c.key_cache[0]}, ValueError, ["key_cache", "4-D"]),
-    ("cache last dim strided", lambda c: {"key_cache": torch.randn(*c.key_cache.shape[:3], 16)[..., ::2]}, ValueError,
+    ("cache last dim strided",
+     lambda c: {"key_cache": torch.randn(*c.key_cache.shape[:3], 16)[..., ::2]}, ValueError,
      ["key_cache", "contiguous"]),
     ("float block table", lambda c: {"block_tables": c.block_tables.float()}, TypeError,
      ["block_tables", "int32"]),
@@ -78,6 +109,15 @@ def test_bad_attention_input(case, name, make, error, words):
         call(case, **make(case))
     for word in words:
         assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+@pytest.mark.parametrize("name,make,error,words", BAD_ARGS, ids=[b[0] for b in BAD_ARGS])
+def test_plan_raises_what_the_one_shot_call_raises(case, name, make, error, words):
+    """Every bad input, through `plan(...).run(...)`: the same type and message, raised by
+    `plan()` (the metadata) or by `run()` (the layer's tensors)."""
+    once = raised(call, case, **make(case))
+    planned = raised(call_planned, case, **make(case))
+    assert (type(planned), str(planned)) == (type(once), str(once))
 
 
 def test_block_table_padding_is_never_checked(case):
@@ -122,7 +162,22 @@ def kv_rows(n=3):
     return torch.randn(n, 2, 8), torch.randn(n, 2, 8)
 
 
-CACHE = lambda: (torch.zeros(4, 2, 4, 8), torch.zeros(4, 2, 4, 8))  # noqa: E731
+CACHE_SHAPE = (4, 2, 4, 8)  # [num_blocks, num_kv_heads, block_size, head_size]
+CACHE = lambda: (torch.zeros(CACHE_SHAPE), torch.zeros(CACHE_SHAPE))  # noqa: E731
+
+
+def write_planned(key, value, key_cache, value_cache, slot_mapping):
+    """`write_kv` through a plan: `plan(..., slot_mapping=slot_mapping)` for a decode step of
+    `kv_rows()`' 3 tokens over CACHE_SHAPE, then `write_kv(<the layer's tensors>)`."""
+    num_blocks, num_kv_heads, block_size, head_size = CACHE_SHAPE
+    num_tokens = kv_rows()[0].shape[0]
+    attn = plan(torch.zeros(num_tokens, 1, dtype=torch.int32),
+                torch.ones(num_tokens, dtype=torch.int32), num_heads=num_kv_heads,
+                num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
+                num_blocks=num_blocks, dtype=torch.float32, slot_mapping=slot_mapping,
+                backend="reference")
+    attn.write_kv(key, value, key_cache, value_cache)
+
 
 BAD_WRITES = [
     ("slot dtype", lambda: (*kv_rows(), *CACHE(), torch.tensor([0, 1, 2], dtype=torch.int32)),
@@ -144,6 +199,13 @@ def test_bad_write_kv(name, make, error, words):
         pk.write_kv(*make(), backend="reference")
     for word in words:
         assert word in str(info.value)
+
+
+@pytest.mark.parametrize("name,make,error,words", BAD_WRITES, ids=[b[0] for b in BAD_WRITES])
+def test_planned_write_raises_what_the_one_shot_write_raises(name, make, error, words):
+    once = raised(pk.write_kv, *make(), backend="reference")
+    planned = raised(write_planned, *make())
+    assert (type(planned), str(planned)) == (type(once), str(once))
 
 
 def test_bad_block_mapping():

@@ -173,29 +173,42 @@ def test_plan_metadata_errors() -> None:
 
 
 def test_run_errors_name_the_argument() -> None:
+    """A layer's tensors get the one-shot call's checks first (tests/test_abi_errors.py checks
+    that every error there is the same through a plan), then are compared with the plan."""
     case, args = _simple()
     attn = plan(case.block_tables, case.seq_lens, **args)
     q, k, v = case.query, case.key_cache, case.value_cache
-    with pytest.raises(ValueError, match=r"^query: expected shape \(2, 4, 16\)"):
+    with pytest.raises(ValueError, match=r"^query: expected shape \(2, 4, 16\) \(from the plan\)"):
+        attn.run(q[:, :2], k, v)
+    with pytest.raises(ValueError, match="^query: expected num_tokens == num_seqs=2"):
         attn.run(q[:1], k, v)
     with pytest.raises(TypeError, match="^query: expected dtype torch.float32"):
         attn.run(q.double(), k, v)
+    with pytest.raises(TypeError, match=r"^query: expected dtype torch.float32 \(the plan's\)"):
+        attn.run(q.half(), k.half(), v.half())
     with pytest.raises(TypeError, match="^query: expected a torch.Tensor"):
         attn.run(q.tolist(), k, v)
     with pytest.raises(ValueError, match="^query: expected a contiguous last dimension"):
         attn.run(q.transpose(0, 2).contiguous().transpose(0, 2), k, v)
-    with pytest.raises(ValueError, match="^key_cache: expected shape"):
+    with pytest.raises(ValueError, match=r"^key_cache: expected shape .* \(from the plan\)"):
+        attn.run(q, k[:-1], v[:-1])
+    with pytest.raises(ValueError, match="^value_cache: expected the key_cache's shape"):
         attn.run(q, k[:-1], v)
     with pytest.raises(TypeError, match="^value_cache: expected dtype"):
         attn.run(q, k, v.half())
-    with pytest.raises(ValueError, match="^out: expected shape"):
+    with pytest.raises(ValueError, match=r"^out: expected a torch.float32 tensor of shape "
+                                         r"\(2, 4, 16\)"):
         attn.run(q, k, v, out=torch.empty(3, 4, 16))
     with pytest.raises(ValueError, match="^slot_mapping: expected an int64 tensor given to plan"):
         attn.write_kv(k[0, :, :2].transpose(0, 1), k[0, :, :2].transpose(0, 1), k, v)
     with_slots = plan(case.block_tables, case.seq_lens,
                       slot_mapping=torch.tensor([4, 16], dtype=torch.int64), **args)
-    with pytest.raises(ValueError, match=r"^value: expected shape \(2, 2, 16\)"):
+    with pytest.raises(ValueError, match=r"^key: expected shape \(2, 2, 16\) \(from the plan\)"):
+        with_slots.write_kv(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), k, v)
+    with pytest.raises(ValueError, match=r"^value: expected the key's shape \(2, 2, 16\)"):
         with_slots.write_kv(torch.zeros(2, 2, 16), torch.zeros(1, 2, 16), k, v)
+    with pytest.raises(ValueError, match="^key: expected a contiguous last dimension"):
+        with_slots.write_kv(torch.zeros(2, 2, 32)[..., ::2], torch.zeros(2, 2, 16), k, v)
 
 
 def test_decode_plan_with_no_tokens() -> None:
