@@ -23,7 +23,7 @@ from paged_kernels.abi import (
     Support,
     check_attention_contents,
 )
-from paged_kernels.backends import Backend, BackendUnavailable
+from paged_kernels.backends import GENERIC_BLOCK_OPS, Backend, BackendUnavailable
 
 SUPPORT = Support(
     dtypes=frozenset(FLOAT_DTYPES),
@@ -47,6 +47,7 @@ class CpuBackend(Backend):
     name = "cpu"
     priority = 5
     always_check_contents = False
+    block_ops = GENERIC_BLOCK_OPS
 
     def __init__(self) -> None:
         from cpu_impl import build

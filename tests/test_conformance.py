@@ -12,9 +12,15 @@ import pytest
 import torch
 
 import paged_kernels as pk
-from conformance import Config, batch_lengths, exhaustive_matrix, fast_matrix, tolerance
 from oracle import attention_oracle, rel_error
 from paged_case import make_case
+from paged_kernels.conformance import (
+    Config,
+    batch_lengths,
+    exhaustive_matrix,
+    fast_matrix,
+    tolerance,
+)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

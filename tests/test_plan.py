@@ -13,13 +13,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conformance import Config, batch_lengths, tolerance
 from oracle import attention_oracle, rel_error
 from paged_case import make_case
 from test_conformance import backend_device, feature_kwargs, skip_if_unsupported
 
 import paged_kernels as pk
 from paged_kernels.attention import paged_attention, plan, write_kv
+from paged_kernels.conformance import Config, batch_lengths, tolerance
 
 CONFIGS = [
     Config(dtype=torch.bfloat16, batch="decode"),

@@ -4,16 +4,18 @@ and count the conformance matrix's skips the way the conformance suite decides t
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
 
-import conformance
 import pytest
 import torch
 
 import paged_kernels as pk
+from paged_kernels import conformance
 from paged_kernels.abi import FEATURES, Support
+from paged_kernels.backends import GENERIC_BLOCK_OPS, Backend, factory_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,6 +70,21 @@ def test_instance_here_supports_no_more_than_declared(name: str) -> None:
                    declared.max_head_size), (actual, declared)
     assert _within(actual.block_sizes, actual.max_block_size, declared.block_sizes,
                    declared.max_block_size), (actual, declared)
+
+
+@pytest.mark.parametrize("name", pk.registered_backends())
+def test_block_ops_declaration_names_what_runs(name: str) -> None:
+    """Each backend declares `block_ops` on its own class: the generic ones exactly when it
+    keeps `Backend`'s copy_blocks and swap_blocks, and the table shows it."""
+    module, attr = factory_path(name).split(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        pytest.skip(f"{module} is not importable here: {exc}")
+    assert "block_ops" in vars(cls), f"{cls.__name__} does not declare block_ops"
+    own = [m for m in ("copy_blocks", "swap_blocks") if getattr(cls, m) is not getattr(Backend, m)]
+    assert own == ([] if cls.block_ops == GENERIC_BLOCK_OPS else ["copy_blocks", "swap_blocks"])
+    assert f"| `{name}` | {cls.block_ops} |" in tool.generate()
 
 
 LIMITED = Support(dtypes=frozenset({torch.float16, torch.bfloat16}),

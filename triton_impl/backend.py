@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from paged_kernels.abi import FEATURES, FLOAT_DTYPES, AttentionProblem, Support
-from paged_kernels.backends import Backend, BackendUnavailable
+from paged_kernels.backends import GENERIC_BLOCK_OPS, Backend, BackendUnavailable
 
 MAX_HEAD_SIZE = 256
 MAX_BLOCK_SIZE = 256
@@ -41,6 +41,7 @@ class TritonBackend(Backend):
     """Paged attention and write_kv as Triton kernels (decode with split-K, unified varlen)."""
 
     name = "triton"
+    block_ops = GENERIC_BLOCK_OPS
 
     def __init__(self) -> None:
         try:

@@ -1,5 +1,9 @@
 """The conformance matrix: which configurations every backend is checked on.
 
+One definition, read by the conformance suite (tests/test_conformance.py), which runs it, and by
+tools/support_matrix.py, which counts what each backend's declared `Support` runs of it
+(docs/support-matrix.md).
+
 A `Config` is one point of dtype x head size x block size x GQA ratio x batch composition x
 features. `fast_matrix()` varies one axis at a time around a core point (the CI selection);
 `exhaustive_matrix()` crosses every axis (behind `pytest --exhaustive`). Batch compositions are
