@@ -73,6 +73,8 @@ def test_kernel(benchmark, ceilings: dict, backend: str, shape) -> None:
 
     benchmark.pedantic(run, rounds=20 if DEVICE == "cuda" else 5, warmup_rounds=2, iterations=1)
     benchmark.extra_info.update({"backend": backend, "shape": shape.id, "dtype": str(DTYPE)})
+    if not benchmark.enabled:  # --benchmark-disable: one untimed call, no statistics
+        return
     benchmark.extra_info.update(metrics(prepared, benchmark.stats.stats.median, ceilings))
     if DEVICE == "cuda":  # the kernels alone, without host-side checks and launch overhead
         benchmark.extra_info.update(graph_metrics(prepared, 10, ceilings))

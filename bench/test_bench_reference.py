@@ -36,6 +36,8 @@ def test_reference(benchmark, batch, context, q_len):
             torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=5, warmup_rounds=1, iterations=1)
+    if not benchmark.enabled:  # --benchmark-disable: one untimed call, no statistics
+        return
     seconds = benchmark.stats.stats.median
     sdpa = median_seconds(sdpa_dense(p), DEVICE, repeat=5)
     benchmark.extra_info.update({
