@@ -32,6 +32,8 @@ class CudaBackend(Backend):
 
     name = "cuda"
     priority = 20
+    block_ops = ("own kernel (pk_copy_blocks_kernel, cuda/csrc/pk_cache.cuh); host <-> device "
+                 "swaps: one copy per block")
     _support = ops.support(("cuda",))
 
     def __init__(self) -> None:

@@ -49,6 +49,7 @@ class CudaHostBackend(Backend):
     name = "cuda-host"
     priority = -20
     always_check_contents = True
+    block_ops = "own kernel (pk_copy_blocks_kernel, cuda/csrc/pk_cache.cuh), on the CPU"
 
     def __init__(self) -> None:
         try:
