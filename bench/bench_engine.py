@@ -77,7 +77,7 @@ def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[in
 
 def kv_slot_use(engine: Any) -> tuple[int, int]:
     """(slots holding computed tokens, slots allocated) over the distinct device blocks in use."""
-    bm = engine.block_manager
+    bm = engine.kv_cache_manager
     filled: dict[int, int] = {}
     bs = bm.block_size
     for group in engine.scheduler.running:
@@ -94,7 +94,7 @@ def run_engine(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str,
     from engine import SamplingParams
 
     engine = llm.llm_engine
-    engine.block_manager.peak_used_blocks = engine.block_manager.num_used_blocks
+    engine.kv_cache_manager.peak_used_blocks = engine.kv_cache_manager.num_used_blocks
     shares: list[float] = []
     phases = {"prefill": [0, 0.0], "decode": [0, 0.0]}  # steps, seconds
     step = engine.step
@@ -130,8 +130,8 @@ def run_engine(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str,
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"seconds": elapsed, "output_tokens": generated,
             "output_tokens_per_s": generated / elapsed,
-            "peak_kv_blocks_in_use": engine.block_manager.peak_used_blocks,
-            "kv_blocks_total": engine.block_manager.num_blocks,
+            "peak_kv_blocks_in_use": engine.kv_cache_manager.peak_used_blocks,
+            "kv_blocks_total": engine.kv_cache_manager.num_blocks,
             "kv_slot_share_holding_tokens": sum(shares) / len(shares) if shares else None,
             "num_preemptions": engine.scheduler.num_preemptions,
             # steps with a prompt chunk (prefill, maybe mixed with decodes) vs pure decode steps

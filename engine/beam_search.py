@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from engine.request import Sequence, SequenceGroup, SequenceStatus
-from engine.scheduler import SchedulerOutput
+from engine.request import Sequence, SequenceGroup
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -74,11 +73,13 @@ def score(cum_logprob: float, length: int, length_penalty: float) -> float:
 
 
 class BeamSearcher:
-    """Runs beam searches on an idle engine's runner and block manager."""
+    """Runs beam searches on an idle engine: its scheduler admits the beams and shares each
+    step's token budget among them, its `execute_step` runs the model."""
 
     def __init__(self, engine: "LLMEngine") -> None:
         self.engine = engine
-        self.bm = engine.block_manager
+        self.kvm = engine.kv_cache_manager
+        self.scheduler = engine.scheduler
         self.config = engine.config
 
     def run(self, prompts: list[tuple[Optional[str], list[int]]],
@@ -90,13 +91,13 @@ class BeamSearcher:
         batch: list[tuple[Optional[str], list[int]]] = []
         used = 0
         for prompt, ids in prompts:
-            need = blocks_per_prompt(len(ids), params, self.bm.block_size)
-            if need > self.bm.num_blocks:
+            need = blocks_per_prompt(len(ids), params, self.kvm.block_size)
+            if need > self.kvm.num_blocks:
                 raise ValueError(f"num_kv_blocks: beam search of a {len(ids)}-token prompt with "
                                  f"beam_width={params.beam_width}, max_tokens="
                                  f"{params.max_tokens} may need {need} blocks; expected a pool "
-                                 f"of at least that, got {self.bm.num_blocks}")
-            if batch and (used + need > self.bm.num_blocks
+                                 f"of at least that, got {self.kvm.num_blocks}")
+            if batch and (used + need > self.kvm.num_blocks
                           or (len(batch) + 1) * params.beam_width > self.config.max_num_seqs):
                 results += self._search(batch, params)
                 batch, used = [], 0
@@ -110,13 +111,10 @@ class BeamSearcher:
                 params: "BeamSearchParams") -> list[BeamSearchOutput]:
         searches = []
         for i, (prompt, ids) in enumerate(prompts):
-            group = SequenceGroup(f"beam-{i}", ids, params, 0.0, self._new_id(), prompt,
-                                  num_seqs=params.beam_width)
-            seq = group.seqs[0]
-            hits = self.bm.find_cached_prefix(ids)
-            seq.num_computed_tokens = self.bm.admit(seq.seq_id, ids, hits)
-            seq.status = SequenceStatus.RUNNING
-            searches.append(_Search(group, [_Beam(seq)]))
+            group = SequenceGroup(f"beam-{i}", ids, params, 0.0, self.engine.next_seq_id(),
+                                  prompt, num_seqs=params.beam_width)
+            self.scheduler.admit(group.seqs[0])
+            searches.append(_Search(group, [_Beam(group.seqs[0])]))
         try:
             for _ in range(params.max_tokens):
                 live = [b.seq for s in searches for b in s.beams]
@@ -130,36 +128,20 @@ class BeamSearcher:
                 for beam in search.beams:
                     search.finished.append((beam.seq.output_token_ids, beam.cum_logprob,
                                             "length"))
-                    self.bm.free(beam.seq.seq_id)
+                    self.kvm.free(beam.seq.seq_id)
                 search.beams = []
         return [self._result(s, params) for s in searches]
 
-    def _new_id(self) -> int:
-        return next(self.engine._seq_ids)
-
     def _compute(self, seqs: list[Sequence], temperature: float) -> dict[int, torch.Tensor]:
-        """Computes every uncomputed token of `seqs` (chunked by the token and sequence budgets);
-        returns each sequence's next-token log-probabilities by seq_id."""
+        """Computes every uncomputed token of `seqs` (in as many engine steps as the token and
+        sequence budgets need); returns each sequence's next-token log-probabilities by seq_id."""
         result: dict[int, torch.Tensor] = {}
         pending = list(seqs)
         while pending:
-            out = SchedulerOutput()
-            budget = self.config.max_num_batched_tokens
-            for seq in pending:
-                if budget == 0 or len(out.scheduled) == self.config.max_num_seqs:
-                    break
-                n = min(seq.num_uncomputed_tokens, budget)
-                copies = self.bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
-                if copies is None:
-                    raise RuntimeError("beam_search: ran out of KV blocks (pool too small)")
-                out.block_copies += copies
-                out.scheduled.append((seq, n))
-                budget -= n
-            tables = [self.bm.block_table(s.seq_id) for s, _ in out.scheduled]
-            sampled, logits = self.engine.runner.execute(out, tables)
-            for seq, n in out.scheduled:
-                seq.num_computed_tokens += n
-                self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            out = self.scheduler.schedule_seqs(pending)
+            if out is None:
+                raise RuntimeError("beam_search: ran out of KV blocks (pool too small)")
+            sampled, logits = self.engine.execute_step(out)
             if sampled:
                 if temperature > 0:
                     logits = logits / temperature
@@ -202,12 +184,12 @@ class BeamSearcher:
         for p, beam in enumerate(beams):
             branches = by_parent.get(p)
             if not branches:
-                self.bm.free(beam.seq.seq_id)
+                self.kvm.free(beam.seq.seq_id)
                 continue
             seqs = [beam.seq]
             for _ in branches[1:]:
-                child = beam.seq.fork(self._new_id(), 0)
-                self.bm.fork(beam.seq.seq_id, child.seq_id)
+                child = beam.seq.fork(self.engine.next_seq_id(), 0)
+                self.kvm.fork(beam.seq.seq_id, child.seq_id)
                 seqs.append(child)
             for seq, (token, value) in zip(seqs, branches):
                 seq.token_ids.append(token)

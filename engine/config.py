@@ -1,8 +1,8 @@
 """The engine's settings: one small dataclass, checked when it is built.
 
-`EngineConfig` holds what the block manager, the scheduler and the runner need. Values that depend
-on the model (the number of KV blocks derived from a memory budget, the default `max_model_len`)
-are resolved by `engine.llm_engine.LLMEngine` once the model is loaded.
+`EngineConfig` holds what the KV cache manager, the scheduler and the runner need. Values that
+depend on the model (the number of KV blocks derived from a memory budget, the default
+`max_model_len`) are resolved by `engine.llm_engine.LLMEngine` once the model is loaded.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.block_manager import BlockCopy
+from engine.block_pool import BlockCopy
 from paged_kernels.attention import copy_blocks, swap_blocks
 
 #: Budget used when neither a block count nor a byte budget is given.

@@ -112,7 +112,7 @@ class LLM:
         encoded = []
         for p in items:
             ids = self._encode(p)
-            self.llm_engine._check_prompt(ids)
+            self.llm_engine.check_prompt(ids)
             encoded.append((p if isinstance(p, str) else p.get("prompt"), ids))
         return BeamSearcher(self.llm_engine).run(encoded, params)
 

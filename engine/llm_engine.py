@@ -1,6 +1,8 @@
 """The engine loop: one `step()` = schedule -> run the model -> sample -> post-process.
 
-`LLMEngine` owns the model, the KV cache, the block manager, the scheduler and the sampler.
+`LLMEngine` owns the model, the KV cache and its manager, the scheduler and the sampler.
+`execute_step` is the one path that runs the model on a scheduled step; `step()` and beam search
+(engine/beam_search.py) both go through it.
 Requests come in as token ids (`add_request`); each `step()` advances every scheduled sequence
 and returns a `RequestOutput` for each request that produced tokens. Post-processing appends the
 sampled tokens, detokenizes them incrementally and applies the stop conditions: EOS (unless
@@ -17,16 +19,16 @@ from typing import Sequence as Seq
 
 import torch
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
+from engine.kv_cache_manager import KVCacheManager
 from engine.model.loader import LoadedModel, load_model
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Sequence, SequenceGroup, SequenceStatus
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingState
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
 from engine.tokenizer import IncrementalDetokenizer
 
@@ -55,12 +57,12 @@ class LLMEngine:
         num_host = config.num_host_blocks
         if num_host is None:
             num_host = num_blocks if config.preemption_mode == "swap" else 0
-        self.block_manager = BlockManager(num_blocks, config.block_size, num_host,
-                                          config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, num_host,
+                                               config.enable_prefix_caching)
         self.kv_cache = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                 num_blocks, config.block_size, self.dtype, self.device,
                                 num_host, config.backend, kv_fill)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.backend, self.device)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
@@ -91,21 +93,23 @@ class LLMEngine:
         could never fit in the KV pool."""
         if request_id in self._groups:
             raise ValueError(f"request_id: expected an id not in use, got {request_id!r}")
-        ids = self._check_prompt(prompt_token_ids)
+        ids = self.check_prompt(prompt_token_ids)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n: expected at most max_num_seqs={self.config.max_num_seqs} "
                              f"sequences per request, got {params.n}")
         self._check_fits(len(ids), params.max_tokens, params.n)
         group = SequenceGroup(request_id, ids, params,
                               time.monotonic() if arrival_time is None else arrival_time,
-                              next(self._seq_ids), prompt, num_seqs=params.n)
+                              self.next_seq_id(), prompt, num_seqs=params.n)
         if params.seed is not None:
             group.generator = torch.Generator().manual_seed(params.seed)
         self._init_seq(group.seqs[0])
         self._groups[request_id] = group
         self.scheduler.add(group)
 
-    def _check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
+    def check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
+        """The prompt as a list; ValueError unless it is a non-empty list of in-vocabulary ids
+        shorter than `max_model_len`."""
         ids = list(prompt_token_ids)
         vocab = self.model_config.vocab_size
         if not ids:
@@ -122,11 +126,11 @@ class LLMEngine:
         total = self.max_model_len if max_tokens is None else \
             min(prompt_len + max_tokens, self.max_model_len)
         blocks = num_seqs * -(-total // self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
+        if blocks > self.kv_cache_manager.num_blocks:
             raise ValueError(f"num_kv_blocks: a request of {prompt_len} prompt tokens, "
                              f"max_tokens={max_tokens} and n={num_seqs} may need {blocks} blocks; "
                              f"expected a pool of at least that, got "
-                             f"{self.block_manager.num_blocks}")
+                             f"{self.kv_cache_manager.num_blocks}")
 
     def _init_seq(self, seq: Sequence) -> None:
         params = seq.group.params
@@ -151,20 +155,41 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns outputs of the requests that produced tokens."""
         out = self.scheduler.schedule()
-        if out.is_empty and not out.preempted and self.scheduler.has_unfinished():
-            sched = self.scheduler
-            raise RuntimeError(f"the scheduler can make no progress: {len(sched.waiting)} "
-                               f"waiting, {len(sched.running)} running, "
-                               f"{self.block_manager.num_free_blocks} free KV blocks")
-        tables = [self.block_manager.block_table(s.seq_id) for s, _ in out.scheduled]
-        sampled, logits = self.runner.execute(out, tables)
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        self._check_progress(out)
+        sampled, logits = self.execute_step(out)
         touched = self._sample(sampled, logits) if sampled else []
         for group in self.scheduler.remove_finished():
             self._groups.pop(group.request_id, None)
         return [self._output(g) for g in touched]
+
+    def execute_step(self, out: SchedulerOutput) -> tuple[list[Sequence], Optional[torch.Tensor]]:
+        """Runs the model on one scheduled step: every path that runs the model goes here.
+
+        `out` comes from the scheduler (`schedule`, or `schedule_seqs` for sequences outside its
+        queues), so each scheduled `(sequence, num_new_tokens)` pair has its slots allocated; any
+        number of query tokens per sequence. Moves the step's blocks, computes the tokens' K/V,
+        then advances each sequence's `num_computed_tokens` and enters its newly full blocks
+        into the prefix cache. Returns the sequences whose step reached their last token and
+        their float32 logits `[len(sequences), vocab]` (None when there are none).
+        """
+        kvm = self.kv_cache_manager
+        tables = [kvm.block_table(s.seq_id) for s, _ in out.scheduled]
+        sampled, logits = self.runner.execute(out, tables)
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            kvm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        return sampled, logits
+
+    def next_seq_id(self) -> int:
+        """A sequence id no other sequence of this engine has."""
+        return next(self._seq_ids)
+
+    def _check_progress(self, out: SchedulerOutput) -> None:
+        if out.is_empty and not out.preempted and self.scheduler.has_unfinished():
+            sched = self.scheduler
+            raise RuntimeError(f"the scheduler can make no progress: {len(sched.waiting)} "
+                               f"waiting, {len(sched.running)} running, "
+                               f"{self.kv_cache_manager.num_free_blocks} free KV blocks")
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SequenceGroup]:
         rows, targets = [], []
@@ -186,7 +211,7 @@ class LLMEngine:
         return list(dict.fromkeys(s.group for s in targets))
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
-        child = parent.fork(next(self._seq_ids), index)
+        child = parent.fork(self.next_seq_id(), index)
         self.scheduler.fork(parent, child)
         self._init_seq(child)
         return child
@@ -240,23 +265,23 @@ class LLMEngine:
     # ------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
         """A snapshot of queue lengths, KV usage, prefix-cache counters and preemptions."""
-        bm = self.block_manager
+        kvm = self.kv_cache_manager
         sched = self.scheduler
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
-            num_swapped=len(sched.swapped), kv_cache_usage_perc=bm.usage(),
-            prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=sched.num_preemptions,
-            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks)
+            num_swapped=len(sched.swapped), kv_cache_usage_perc=kvm.usage(),
+            prefix_cache_queries=kvm.prefix_cache_queries,
+            prefix_cache_hits=kvm.prefix_cache_hits, num_preemptions=sched.num_preemptions,
+            num_free_blocks=kvm.num_free_blocks, num_total_blocks=kvm.num_blocks)
 
     def check_integrity(self) -> None:
-        """The block manager's invariants, and that exactly the running sequences hold device
+        """The KV cache manager's invariants, and that exactly the running sequences hold device
         blocks and exactly the swapped ones hold host blocks."""
-        bm = self.block_manager
-        bm.check_integrity()
+        kvm = self.kv_cache_manager
+        kvm.check_integrity()
         for group in self.scheduler.groups():
             for seq in group.seqs:
-                resident, swapped = bm.is_resident(seq.seq_id), bm.is_swapped(seq.seq_id)
+                resident, swapped = kvm.is_resident(seq.seq_id), kvm.is_swapped(seq.seq_id)
                 if seq.status is SequenceStatus.RUNNING:
                     assert resident and not swapped, f"{seq} is running without blocks"
                 elif seq.status is SequenceStatus.SWAPPED:
@@ -265,4 +290,4 @@ class LLMEngine:
                     assert not resident and not swapped, f"{seq} holds blocks"
         holders = {s.seq_id for g in self.scheduler.groups() for s in g.seqs
                    if s.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED)}
-        assert bm.sequences() == holders, "blocks held by a sequence that is not live"
+        assert kvm.sequences() == holders, "blocks held by a sequence that is not live"

@@ -18,8 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.block_manager import BlockCopy, BlockManager
+from engine.block_pool import BlockCopy
 from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -48,9 +49,9 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting, running and swapped queues and decides each step's batch."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
-        self.block_manager = block_manager
+        self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []  # sorted by arrival
@@ -86,7 +87,7 @@ class Scheduler:
         """Marks a sequence finished and frees its blocks (its group leaves `running` once all
         of its sequences are finished, in `remove_finished`)."""
         seq.status = status
-        self.block_manager.free(seq.seq_id)
+        self.kv_cache_manager.free(seq.seq_id)
 
     def remove_finished(self) -> list[SequenceGroup]:
         """Drops finished groups from the running queue; returns them."""
@@ -97,7 +98,7 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Registers `child` (already built from `parent`) as running, sharing parent's blocks."""
-        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self.kv_cache_manager.fork(parent.seq_id, child.seq_id)
         child.status = SequenceStatus.RUNNING
         parent.group.seqs.append(child)
 
@@ -112,13 +113,32 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def admit(self, seq: Sequence) -> None:
+        """Gives a sequence that no queue holds (beam search drives its own) a block table that
+        starts with the longest cached prefix of its tokens, and marks it RUNNING."""
+        self._admit(seq, self.kv_cache_manager.find_cached_prefix(seq.token_ids))
+
+    def schedule_seqs(self, seqs: list[Sequence]) -> Optional[SchedulerOutput]:
+        """One step's work for resident sequences that no queue holds: the token budget shared
+        in the order of `seqs` as `schedule` shares it, at most `max_num_seqs` sequences, their
+        slots allocated. None when blocks run out (the sequences keep the slots allocated before
+        that; free them). Sequences left without tokens go in a later call."""
+        shares = self._give_tokens(seqs, self.config.max_num_batched_tokens,
+                                   self.config.max_num_seqs)
+        out = SchedulerOutput()
+        return out if self._allocate(out, shares) else None
+
     def _num_seqs_scheduled(self) -> int:
         return sum(g.num_seqs_needed for g in self.running)
 
-    def _give_tokens(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
-        """Each running sequence's share of the budget, in order."""
-        shares = []
-        for seq in group.seqs_with_status(SequenceStatus.RUNNING):
+    def _give_tokens(self, seqs: list[Sequence], budget: int,
+                     max_seqs: Optional[int] = None) -> list[tuple[Sequence, int]]:
+        """Shares of `budget` in the order of `seqs`: each sequence gets `min(its uncomputed
+        tokens, budget left)`; those given nothing get no share; at most `max_seqs` shares."""
+        shares: list[tuple[Sequence, int]] = []
+        for seq in seqs:
+            if len(shares) == max_seqs:
+                break
             n = min(seq.num_uncomputed_tokens, budget)
             if n > 0:
                 shares.append((seq, n))
@@ -126,22 +146,35 @@ class Scheduler:
         return shares
 
     def _blocks_needed(self, shares: list[tuple[Sequence, int]]) -> int:
-        bm = self.block_manager
-        return sum(bm.num_slots_needed(s.seq_id, s.num_computed_tokens, n) for s, n in shares)
+        kvm = self.kv_cache_manager
+        return sum(kvm.num_slots_needed(s.seq_id, s.num_computed_tokens, n) for s, n in shares)
 
-    def _allocate(self, out: SchedulerOutput, shares: list[tuple[Sequence, int]]) -> None:
+    def _allocate(self, out: SchedulerOutput, shares: list[tuple[Sequence, int]]) -> bool:
+        """Allocates each share's slots in order and adds the share and its copy-on-write copies
+        to `out`; False at the first share whose blocks are short (earlier ones stay in `out`)."""
         for seq, n in shares:
-            copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
-            assert copies is not None, "allocation checked by _blocks_needed"
+            copies = self.kv_cache_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
+            if copies is None:
+                return False
             out.block_copies.extend(copies)
             out.scheduled.append((seq, n))
+        return True
+
+    def _allocate_checked(self, out: SchedulerOutput, shares: list[tuple[Sequence, int]]
+                          ) -> None:
+        allocated = self._allocate(out, shares)
+        assert allocated, "allocation checked by _blocks_needed"
+
+    def _admit(self, seq: Sequence, cached: list[int]) -> None:
+        seq.num_computed_tokens = self.kv_cache_manager.admit(seq.seq_id, seq.token_ids, cached)
+        seq.status = SequenceStatus.RUNNING
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             group = self.running[i]
-            shares = self._give_tokens(group, budget)
-            while self._blocks_needed(shares) > self.block_manager.num_free_blocks:
+            shares = self._give_tokens(group.seqs_with_status(SequenceStatus.RUNNING), budget)
+            while self._blocks_needed(shares) > self.kv_cache_manager.num_free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is group:
@@ -150,13 +183,13 @@ class Scheduler:
             if not shares:
                 i += 1
                 continue
-            self._allocate(out, shares)
+            self._allocate_checked(out, shares)
             budget -= sum(n for _, n in shares)
             i += 1
         return budget
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        bm = self.block_manager
+        kvm = self.kv_cache_manager
         while self.swapped and budget > 0:
             group = self.swapped[0]
             seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
@@ -164,22 +197,22 @@ class Scheduler:
                 break
             ids = [s.seq_id for s in seqs]
             # One spare block per sequence covers its next token (append or copy-on-write).
-            if bm.num_blocks_to_swap_in(ids) + len(seqs) > bm.num_free_blocks:
+            if kvm.num_blocks_to_swap_in(ids) + len(seqs) > kvm.num_free_blocks:
                 break
             self.swapped.pop(0)
-            out.swap_in.extend(bm.swap_in(ids) or [])
+            out.swap_in.extend(kvm.swap_in(ids) or [])
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
-            shares = self._give_tokens(group, budget)
-            if self._blocks_needed(shares) > bm.num_free_blocks:
+            shares = self._give_tokens(group.seqs_with_status(SequenceStatus.RUNNING), budget)
+            if self._blocks_needed(shares) > kvm.num_free_blocks:
                 break  # stays running without tokens this step
-            self._allocate(out, shares)
+            self._allocate_checked(out, shares)
             budget -= sum(n for _, n in shares)
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        bm = self.block_manager
+        kvm = self.kv_cache_manager
         while self.waiting and budget > 0:
             group = self.waiting[0]
             if self._num_seqs_scheduled() + group.num_seqs_needed > self.config.max_num_seqs:
@@ -188,20 +221,19 @@ class Scheduler:
             plan = []
             needed, left = 0, budget
             for seq in seqs:
-                hits = bm.find_cached_prefix(seq.token_ids)
-                done = len(hits) * bm.block_size
+                hits = kvm.find_cached_prefix(seq.token_ids)
+                done = len(hits) * kvm.block_size
                 n = min(seq.num_tokens - done, left)
                 left -= n
-                needed += bm.num_blocks_to_admit(hits, done + n)
+                needed += kvm.num_blocks_to_admit(hits, done + n)
                 plan.append((seq, hits, n))
-            if needed > bm.num_free_blocks:
+            if needed > kvm.num_free_blocks:
                 break
             self.waiting.popleft()
             for seq, hits, n in plan:
-                seq.num_computed_tokens = bm.admit(seq.seq_id, seq.token_ids, hits)
-                seq.status = SequenceStatus.RUNNING
+                self._admit(seq, hits)
                 if n > 0:
-                    self._allocate(out, [(seq, n)])
+                    self._allocate_checked(out, [(seq, n)])
             self.running.append(group)
             budget = left
 
@@ -211,17 +243,17 @@ class Scheduler:
         else recompute)."""
         self.num_preemptions += 1
         out.preempted.append(group)
-        bm = self.block_manager
+        kvm = self.kv_cache_manager
         seqs = group.seqs_with_status(SequenceStatus.RUNNING)
         ids = [s.seq_id for s in seqs]
-        if self.config.preemption_mode == "swap" and bm.can_swap_out(ids):
-            out.swap_out.extend(bm.swap_out(ids) or [])
+        if self.config.preemption_mode == "swap" and kvm.can_swap_out(ids):
+            out.swap_out.extend(kvm.swap_out(ids) or [])
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
             keys = [g.arrival_time for g in self.swapped]
             self.swapped.insert(bisect.bisect_right(keys, group.arrival_time), group)
             return
         for seq in seqs:
-            bm.free(seq.seq_id)
+            kvm.free(seq.seq_id)
             seq.reset_for_recompute()
         self.waiting.appendleft(group)

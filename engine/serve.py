@@ -139,7 +139,7 @@ def _log_engine(engine: Any) -> None:
         backend = resolve_backend(cfg.backend, engine.device).name
     except Exception as exc:  # only for the log line
         backend = f"{cfg.backend} (unresolved: {exc})"
-    blocks = engine.block_manager.num_blocks
+    blocks = engine.kv_cache_manager.num_blocks
     logger.info("model %s (%s), dtype %s, backend %s, %d KV blocks of %d tokens (%d tokens), "
                 "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix caching "
                 "%s, preemption %s, quantization %s", engine.loaded.name, engine.loaded.path,

@@ -63,7 +63,7 @@ def assert_clean(llm: LLM) -> None:
     eng = llm.llm_engine
     eng.check_integrity()
     assert not eng.has_unfinished_requests()
-    assert eng.block_manager.num_used_blocks == 0, "KV blocks leaked"
+    assert eng.kv_cache_manager.num_used_blocks == 0, "KV blocks leaked"
 
 
 def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
@@ -148,9 +148,9 @@ def test_n_samples_share_the_prompt_blocks(loaded, prompts):
     group = eng._groups["r"]
     assert len(group.seqs) == 4
     prompt_blocks = -(-len(ids) // 16)
-    assert eng.block_manager.num_used_blocks == prompt_blocks
+    assert eng.kv_cache_manager.num_used_blocks == prompt_blocks
     eng.step()  # three sequences copy the shared partial block before writing; one writes in place
-    assert eng.block_manager.num_used_blocks == prompt_blocks + 3
+    assert eng.kv_cache_manager.num_used_blocks == prompt_blocks + 3
     while eng.has_unfinished_requests():
         outs = eng.step()
         eng.check_integrity()
@@ -200,6 +200,29 @@ def test_beam_search_matches_plain_beam_search_over_transformers(loaded, hf, pro
         assert [s.token_ids for s in out.sequences] == [e[0] for e in expected]
         for s, (_, cum) in zip(out.sequences, expected):
             assert s.cum_logprob == pytest.approx(cum, abs=2e-3)
+    assert_clean(llm)
+
+
+def test_beam_search_runs_the_model_only_through_execute_step(loaded, prompts, monkeypatch):
+    """Beam search has no path to the model of its own: every runner call is an execute_step."""
+    llm = make_llm(loaded, block_size=4, max_num_batched_tokens=8)
+    eng = llm.llm_engine
+    calls = {"execute_step": 0, "runner": 0}
+    execute_step, runner_execute = eng.execute_step, eng.runner.execute
+
+    def counted_step(out):
+        calls["execute_step"] += 1
+        return execute_step(out)
+
+    def counted_runner(out, tables):
+        calls["runner"] += 1
+        return runner_execute(out, tables)
+
+    monkeypatch.setattr(eng, "execute_step", counted_step)
+    monkeypatch.setattr(eng.runner, "execute", counted_runner)
+    llm.beam_search(as_inputs(prompts[1:2]), BeamSearchParams(beam_width=2, max_tokens=2))
+    assert len(prompts[1]) > 16  # a prefill of 8-token chunks, then one step for both beams
+    assert calls["runner"] == calls["execute_step"] == -(-len(prompts[1]) // 8) + 1
     assert_clean(llm)
 
 

@@ -3,8 +3,10 @@
 The fake engine loop applies each step's swap-out, swap-in and copy-on-write moves to the
 simulated memory in the runner's order, writes the scheduled tokens' ids into their slots, checks
 that every scheduled sequence reads back its own tokens through its block table (what attention
-would read), then "samples" a deterministic next token. That tests the scheduler and block manager
-together by effect: budgets, chunked prefill, preemption by recompute and swap, abort, no leaks.
+would read), then "samples" a deterministic next token. That tests the scheduler and the KV cache
+manager together by effect: budgets, chunked prefill, preemption by recompute and swap, abort, no
+leaks. Sequences outside the queues (as beam search drives them) go through `admit` and
+`schedule_seqs`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Sequence, SequenceGroup, SequenceStatus
 from engine.scheduler import Scheduler
 
@@ -25,8 +27,8 @@ class FakeEngine:
         num_blocks = config.pop("num_kv_blocks")
         host = config.pop("num_host_blocks", 0)
         self.config = EngineConfig(num_kv_blocks=num_blocks, num_host_blocks=host, **config)
-        self.bm = BlockManager(num_blocks, self.config.block_size, host,
-                               self.config.enable_prefix_caching)
+        self.bm = KVCacheManager(num_blocks, self.config.block_size, host,
+                                 self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.bm)
         self.memory: dict[int, int] = {}
         self.host: dict[int, int] = {}
@@ -211,3 +213,57 @@ def test_abort_at_any_point_frees_everything(mode):
         eng.run()
         eng.assert_clean()
         assert eng.scheduler.abort("nonexistent") is None
+
+
+def outside_seq(eng: FakeEngine, prompt: list[int]) -> Sequence:
+    """A sequence that no queue holds, admitted the way beam search admits its first beam."""
+    group = SequenceGroup(f"outside-{eng.next_seq_id}", prompt,
+                          SimpleNamespace(n=1, max_tokens=1), 0.0, eng.next_seq_id)
+    eng.next_seq_id += 1
+    eng.scheduler.admit(group.seqs[0])
+    return group.seqs[0]
+
+
+def test_admit_takes_the_cached_prefix_and_runs_the_sequence():
+    eng = FakeEngine(num_kv_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    p = list(range(10))
+    eng.add("a", p, max_tokens=1)
+    eng.run()
+    seq = outside_seq(eng, p + [77])
+    assert seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == 8
+    assert eng.bm.block_table(seq.seq_id) == eng.bm.find_cached_prefix(p + [77])
+    eng.bm.check_integrity()
+
+
+@pytest.mark.parametrize("max_seqs,budget,shares", [(3, 8, [5, 3]), (2, 64, [5, 5])])
+def test_schedule_seqs_shares_the_budget_in_order_and_allocates_their_slots(max_seqs, budget,
+                                                                            shares):
+    eng = FakeEngine(num_kv_blocks=16, block_size=4, max_num_seqs=max_seqs,
+                     max_num_batched_tokens=budget)
+    seqs = [outside_seq(eng, [i] * 5) for i in range(3)]
+    out = eng.scheduler.schedule_seqs(seqs)
+    assert [(s.seq_id, n) for s, n in out.scheduled] == list(zip([s.seq_id for s in seqs],
+                                                                 shares))
+    for seq, n in zip(seqs, shares + [0]):
+        assert len(eng.bm.block_table(seq.seq_id)) == -(-n // 4)
+    eng.bm.check_integrity()
+
+
+def test_schedule_seqs_copies_a_shared_block_once_and_reports_running_out():
+    eng = FakeEngine(num_kv_blocks=3, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    parent = outside_seq(eng, [1, 2, 3, 4, 5, 6])
+    eng.scheduler.schedule_seqs([parent])
+    parent.num_computed_tokens = 6
+    child = parent.fork(eng.next_seq_id, 0)
+    eng.bm.fork(parent.seq_id, child.seq_id)
+    for seq in (parent, child):
+        seq.token_ids.append(7)
+    out = eng.scheduler.schedule_seqs([parent, child])
+    shared_last = eng.bm.block_table(child.seq_id)[1]
+    assert len(out.block_copies) == 1 and out.block_copies[0][0] == shared_last
+    assert [n for _, n in out.scheduled] == [1, 1]
+    for seq in (parent, child):
+        seq.num_computed_tokens += 1
+        seq.token_ids += [8, 9, 10]  # both need a third block; only one is left
+    assert eng.scheduler.schedule_seqs([parent, child]) is None
+    eng.bm.check_integrity()

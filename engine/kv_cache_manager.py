@@ -1,19 +1,18 @@
-"""The KV block manager: which physical blocks hold which sequence's tokens.
+"""The KV cache manager: which blocks hold which sequence's tokens.
 
 A sequence's *block table* lists the device blocks holding its tokens in order: token `p` lives in
-slot `table[p // block_size] * block_size + p % block_size`. Blocks carry reference counts, so the
-`n` samples of one prompt, the branches of a beam search and requests with a common prefix share
-blocks; a sequence about to write into a shared block first gets a private copy (copy-on-write:
-`allocate_slots` returns the `(src, dst)` pairs the runner copies with `copy_blocks`).
+slot `table[p // block_size] * block_size + p % block_size`. Blocks come from a `BlockPool`
+(engine/block_pool.py) and carry reference counts, so the `n` samples of one prompt, the branches
+of a beam search and requests with a common prefix share blocks; a sequence about to write into a
+shared block first gets a private copy (copy-on-write: `allocate_slots` returns the `(src, dst)`
+pairs the runner copies with `copy_blocks`).
 
 Prefix caching: once a block is full of computed tokens it is keyed by a hash chained over (the
-previous block's key, this block's token ids) and entered in the cache index. A new sequence takes
-the longest chain of cached blocks matching its prompt (token ids compared on every hit, so a hash
-collision is harmless). A block whose reference count drops to zero keeps its key and waits in an
-LRU (an OrderedDict: O(1) to append, to take the oldest, and to take one out of the middle on a
-hit); plain free blocks are handed out before cached ones are evicted.
+previous block's key, this block's token ids) and entered in the pool's cache index. A new
+sequence takes the longest chain of cached blocks matching its prompt. A block whose reference
+count drops to zero keeps its key until the pool evicts it.
 
-Preemption by swap moves a sequence's blocks to a separate host pool (`swap_out`) and back
+Preemption by swap moves a sequence's blocks to a second, host pool (`swap_out`) and back
 (`swap_in`); the returned `(src, dst)` pairs are what the runner copies with `swap_blocks`.
 
 `check_integrity()` verifies every invariant; the tests call it after every operation.
@@ -21,13 +20,13 @@ Preemption by swap moves a sequence's blocks to a separate host pool (`swap_out`
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Iterable, Optional, Sequence
 
-BlockCopy = tuple[int, int]
+from engine.block_pool import BlockCopy, BlockPool
 
 #: The parent key of a sequence's first block.
-_ROOT_HASH = 0x5EED
+ROOT_HASH = 0x5EED
 
 
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -35,12 +34,13 @@ def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
-class BlockManager:
-    """Device and host block pools, the block tables of live sequences and the prefix cache.
+class KVCacheManager:
+    """The block tables of live sequences over a device pool and a host swap pool.
 
     Sequences are named by an int `seq_id`. A sequence is either *resident* (a device block table)
-    or *swapped* (a host block table), or unknown to the manager. The manager does not know token
-    contents except those of full blocks it caches; callers pass token ids where needed.
+    or *swapped* (a host block table), or unknown to the manager. The manager does not keep token
+    contents (the pool keeps those of the full blocks it caches); callers pass token ids where
+    needed.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
@@ -49,23 +49,13 @@ class BlockManager:
                                      ("num_host_blocks", num_host_blocks, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-        self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self._ref = [0] * num_blocks
-        self._hash: list[Optional[int]] = [None] * num_blocks
-        self._tokens: list[Optional[tuple[int, ...]]] = [None] * num_blocks
-        # Plain free blocks as a stack (reversed so block 0 is handed out first).
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        # Cached blocks with no reference, least recently used first.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._cache: dict[int, int] = {}
+        self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks)
         self._tables: dict[int, list[int]] = {}
         # Chained keys of each resident sequence's full, computed blocks (prefix of its table).
         self._seq_hashes: dict[int, list[int]] = {}
-        self._host_ref = [0] * num_host_blocks
-        self._host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self._host_tables: dict[int, list[int]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -73,23 +63,31 @@ class BlockManager:
 
     # ----------------------------------------------------------------- queries
     @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         """Device blocks that can be handed out now (plain free ones plus evictable cached ones)."""
-        return len(self._free) + len(self._evictable)
+        return self.pool.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
         """Device blocks referenced by at least one block table."""
-        return self.num_blocks - self.num_free_blocks
+        return self.pool.num_used_blocks
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self._host_free)
+        return self.host_pool.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks in the prefix-cache index (referenced or evictable)."""
-        return len(self._cache)
+        return self.pool.num_cached_blocks
 
     def usage(self) -> float:
         """Share of device blocks in use, in [0, 1]."""
@@ -110,7 +108,7 @@ class BlockManager:
         return set(self._tables) | set(self._host_tables)
 
     def ref_count(self, block: int) -> int:
-        return self._ref[block]
+        return self.pool.ref_count(block)
 
     # ------------------------------------------------------------ prefix cache
     def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
@@ -123,12 +121,12 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = _ROOT_HASH
+        parent = ROOT_HASH
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             parent = chain_hash(parent, tokens)
-            block = self._cache.get(parent)
-            if block is None or self._tokens[block] != tokens:
+            block = self.pool.lookup(parent, tokens)
+            if block is None:
                 break
             hits.append(block)
         return hits
@@ -137,22 +135,18 @@ class BlockManager:
         """Free blocks that `admit(cached)` followed by slots for the first `num_tokens` tokens
         would take: the new blocks plus the cached hits that are now evictable."""
         new = max(0, -(-num_tokens // self.block_size) - len(cached))
-        return new + sum(1 for b in cached if self._ref[b] == 0)
+        return new + sum(1 for b in cached if self.pool.ref_count(b) == 0)
 
     def admit(self, seq_id: int, token_ids: Sequence[int], cached: Sequence[int]) -> int:
         """Gives a new sequence a block table starting with the `cached` blocks (from
         `find_cached_prefix(token_ids)`); returns the number of tokens already computed."""
-        if seq_id in self._tables or seq_id in self._host_tables:
-            raise ValueError(f"seq_id: expected a sequence unknown to the manager, got {seq_id}")
+        self._check_unknown("seq_id", seq_id)
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += len(cached) * self.block_size
         for b in cached:
-            self._take(b)
+            self.pool.acquire(b)
         self._tables[seq_id] = list(cached)
-        hashes: list[int] = []
-        for b in cached:
-            hashes.append(self._hash[b])  # type: ignore[arg-type]
-        self._seq_hashes[seq_id] = hashes
+        self._seq_hashes[seq_id] = [self.pool.key(b) for b in cached]  # type: ignore[misc]
         self._note_peak()
         return len(cached) * self.block_size
 
@@ -167,23 +161,16 @@ class BlockManager:
         bs = self.block_size
         table = self._tables[seq_id]
         hashes = self._seq_hashes[seq_id]
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else ROOT_HASH
         for i in range(len(hashes), num_computed // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             parent = chain_hash(parent, tokens)
             hashes.append(parent)
-            block = table[i]
-            if self._hash[block] is None and parent not in self._cache:
-                self._hash[block] = parent
-                self._tokens[block] = tokens
-                self._cache[parent] = block
+            self.pool.cache(table[i], parent, tokens)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every evictable cached block (referenced ones stay cached)."""
-        while self._evictable:
-            block, _ = self._evictable.popitem(last=False)
-            self._uncache(block)
-            self._free.append(block)
+        self.pool.reset_prefix_cache()
 
     # --------------------------------------------------------------- allocation
     def num_slots_needed(self, seq_id: int, num_computed: int, num_new: int) -> int:
@@ -193,7 +180,7 @@ class BlockManager:
         end = -(-(num_computed + num_new) // bs)
         needed = max(0, end - len(table))
         for i in range(num_computed // bs, min(end, len(table))):
-            if self._ref[table[i]] > 1:
+            if self.pool.ref_count(table[i]) > 1:
                 needed += 1
         return needed
 
@@ -213,14 +200,14 @@ class BlockManager:
         copies: list[BlockCopy] = []
         for i in range(num_computed // bs, min(end, len(table))):
             src = table[i]
-            assert self._hash[src] is None, f"writing into cached block {src}"
-            if self._ref[src] > 1:
-                dst = self._pop_free()
-                self._ref[src] -= 1
+            assert not self.pool.is_cached(src), f"writing into cached block {src}"
+            if self.pool.ref_count(src) > 1:
+                dst = self.pool.allocate()
+                self.pool.release(src)  # still referenced by the other holders
                 table[i] = dst
                 copies.append((src, dst))
         while len(table) < end:
-            table.append(self._pop_free())
+            table.append(self.pool.allocate())
         self._note_peak()
         return copies
 
@@ -230,12 +217,10 @@ class BlockManager:
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Gives `child_id` the parent's blocks (shared: reference counts go up, nothing copied)."""
-        if child_id in self._tables or child_id in self._host_tables:
-            raise ValueError(f"child_id: expected a sequence unknown to the manager, got "
-                             f"{child_id}")
+        self._check_unknown("child_id", child_id)
         table = self._tables[parent_id]
         for b in table:
-            self._ref[b] += 1
+            self.pool.acquire(b)
         self._tables[child_id] = list(table)
         self._seq_hashes[child_id] = list(self._seq_hashes[parent_id])
 
@@ -248,18 +233,16 @@ class BlockManager:
         self._seq_hashes.pop(seq_id, None)
         if table is not None:
             for b in reversed(table):
-                self._release(b)
+                self.pool.release(b)
         host = self._host_tables.pop(seq_id, None)
         if host is not None:
             for b in host:
-                self._host_ref[b] -= 1
-                if self._host_ref[b] == 0:
-                    self._host_free.append(b)
+                self.host_pool.release(b)
 
     # -------------------------------------------------------------------- swap
     def can_swap_out(self, seq_ids: Iterable[int]) -> bool:
         distinct = {b for s in seq_ids for b in self._tables[s]}
-        return len(distinct) <= len(self._host_free)
+        return len(distinct) <= self.host_pool.num_free_blocks
 
     def swap_out(self, seq_ids: Sequence[int]) -> Optional[list[BlockCopy]]:
         """Moves the resident sequences (one request's, sharing blocks) to the host pool.
@@ -269,20 +252,12 @@ class BlockManager:
         """
         if not self.can_swap_out(seq_ids):
             return None
-        mapping: dict[int, int] = {}
-        for s in seq_ids:
-            host_table = []
-            for b in self._tables[s]:
-                if b not in mapping:
-                    mapping[b] = self._host_free.pop()
-                host_table.append(mapping[b])
-                self._host_ref[mapping[b]] += 1
-            self._host_tables[s] = host_table
+        mapping = self._move(seq_ids, self._tables, self._host_tables, self.host_pool)
         for s in seq_ids:
             for b in reversed(self._tables.pop(s)):
-                self._release(b)
+                self.pool.release(b)
             self._seq_hashes.pop(s)
-        return list(mapping.items())
+        return mapping
 
     def num_blocks_to_swap_in(self, seq_ids: Iterable[int]) -> int:
         return len({b for s in seq_ids for b in self._host_tables[s]})
@@ -292,55 +267,36 @@ class BlockManager:
         pairs to copy before they are read, or None (nothing changed) when blocks are short."""
         if self.num_blocks_to_swap_in(seq_ids) > self.num_free_blocks:
             return None
+        mapping = self._move(seq_ids, self._host_tables, self._tables, self.pool)
+        for s in seq_ids:
+            # The new blocks have no key yet; the next `commit` re-enters the full ones.
+            self._seq_hashes[s] = []
+            for h in self._host_tables.pop(s):
+                self.host_pool.release(h)
+        self._note_peak()
+        return mapping
+
+    @staticmethod
+    def _move(seq_ids: Sequence[int], src_tables: dict[int, list[int]],
+              dst_tables: dict[int, list[int]], dst_pool: BlockPool) -> list[BlockCopy]:
+        """Gives each sequence a table in `dst_pool` with the sharing of its `src_tables` one
+        (one new block per distinct source block); returns the `(src, dst)` block pairs."""
         mapping: dict[int, int] = {}
         for s in seq_ids:
             table = []
-            for h in self._host_tables[s]:
-                if h not in mapping:
-                    mapping[h] = self._pop_free()  # referenced once
+            for b in src_tables[s]:
+                if b not in mapping:
+                    mapping[b] = dst_pool.allocate()  # referenced once
                 else:
-                    self._ref[mapping[h]] += 1
-                table.append(mapping[h])
-            self._tables[s] = table
-            # The new blocks have no key yet; the next `commit` re-enters the full ones.
-            self._seq_hashes[s] = []
-        for s in seq_ids:
-            for h in self._host_tables.pop(s):
-                self._host_ref[h] -= 1
-                if self._host_ref[h] == 0:
-                    self._host_free.append(h)
-        self._note_peak()
+                    dst_pool.acquire(mapping[b])
+                table.append(mapping[b])
+            dst_tables[s] = table
         return list(mapping.items())
 
     # ---------------------------------------------------------------- internals
-    def _pop_free(self) -> int:
-        """A block with no reference and no key, now referenced once (evicts the LRU if needed)."""
-        if self._free:
-            block = self._free.pop()
-        else:
-            block, _ = self._evictable.popitem(last=False)
-            self._uncache(block)
-        self._ref[block] = 1
-        return block
-
-    def _take(self, block: int) -> None:
-        """References a cached block found by a lookup."""
-        if self._ref[block] == 0:
-            del self._evictable[block]
-        self._ref[block] += 1
-
-    def _release(self, block: int) -> None:
-        self._ref[block] -= 1
-        if self._ref[block] == 0:
-            if self._hash[block] is not None:
-                self._evictable[block] = None
-            else:
-                self._free.append(block)
-
-    def _uncache(self, block: int) -> None:
-        del self._cache[self._hash[block]]  # type: ignore[index]
-        self._hash[block] = None
-        self._tokens[block] = None
+    def _check_unknown(self, name: str, seq_id: int) -> None:
+        if seq_id in self._tables or seq_id in self._host_tables:
+            raise ValueError(f"{name}: expected a sequence unknown to the manager, got {seq_id}")
 
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
@@ -348,38 +304,14 @@ class BlockManager:
     # ---------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         """Raises AssertionError unless every invariant of the pools, tables and cache holds."""
-        refs = Counter(b for t in self._tables.values() for b in t)
         for seq_id, table in self._tables.items():
             assert len(set(table)) == len(table), f"seq {seq_id} lists a block twice: {table}"
             assert all(0 <= b < self.num_blocks for b in table), f"seq {seq_id}: bad id {table}"
-        for b in range(self.num_blocks):
-            assert self._ref[b] == refs.get(b, 0), \
-                f"block {b}: ref count {self._ref[b]} != {refs.get(b, 0)} references"
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is in the free list twice"
-        assert not free & set(self._evictable), "a block is both free and evictable"
-        for b in range(self.num_blocks):
-            is_free = b in free or b in self._evictable
-            assert is_free != (self._ref[b] > 0), f"block {b}: free xor referenced violated"
-        assert all(self._hash[b] is None for b in free), "a plain free block has a key"
-        assert all(self._hash[b] is not None for b in self._evictable), "evictable without a key"
-        assert self.num_free_blocks + sum(1 for r in self._ref if r > 0) == self.num_blocks
-        for h, b in self._cache.items():
-            assert self._hash[b] == h, f"cache index: key {h} -> block {b} keyed {self._hash[b]}"
-            assert self._tokens[b] is not None and len(self._tokens[b]) == self.block_size
-        keyed = [b for b in range(self.num_blocks) if self._hash[b] is not None]
-        assert len(keyed) == len(self._cache), "a keyed block is missing from the cache index"
+        self.pool.check_integrity(Counter(b for t in self._tables.values() for b in t),
+                                  self.block_size)
         for seq_id, hashes in self._seq_hashes.items():
             assert seq_id in self._tables and len(hashes) <= len(self._tables[seq_id])
         assert set(self._seq_hashes) == set(self._tables)
         assert not set(self._tables) & set(self._host_tables), "a sequence resident and swapped"
-        self._check_host()
-
-    def _check_host(self) -> None:
-        refs = Counter(b for t in self._host_tables.values() for b in t)
-        for b in range(self.num_host_blocks):
-            assert self._host_ref[b] == refs.get(b, 0), f"host block {b}: bad ref count"
-        free = set(self._host_free)
-        assert len(free) == len(self._host_free), "a host block is free twice"
-        for b in range(self.num_host_blocks):
-            assert (b in free) != (self._host_ref[b] > 0), f"host block {b}: free xor used"
+        self.host_pool.check_integrity(Counter(b for t in self._host_tables.values() for b in t),
+                                       self.block_size, "host block")

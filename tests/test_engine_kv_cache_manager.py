@@ -1,4 +1,4 @@
-"""Tests of engine.block_manager: pools, copy-on-write, prefix caching, LRU eviction, swap.
+"""Tests of engine.kv_cache_manager: tables, copy-on-write, prefix caching, LRU eviction, swap.
 
 The state-machine test simulates the physical KV cache as one token id per slot: every write,
 copy-on-write copy and swap is applied to that simulated memory, and after every operation each
@@ -13,13 +13,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import engine.block_manager as bm_module
-from engine.block_manager import BlockManager
+import engine.kv_cache_manager as kvm_module
+from engine.kv_cache_manager import KVCacheManager
 
 BS = 4
 
 
-def write(bm: BlockManager, memory: dict, seq_id: int, tokens: list[int], start: int,
+def write(bm: KVCacheManager, memory: dict, seq_id: int, tokens: list[int], start: int,
           n: int) -> None:
     """Allocates slots for tokens [start, start+n), applies copies, writes them, commits."""
     copies = bm.allocate_slots(seq_id, start, n)
@@ -33,7 +33,7 @@ def write(bm: BlockManager, memory: dict, seq_id: int, tokens: list[int], start:
     bm.commit(seq_id, tokens, start + n)
 
 
-def read(bm: BlockManager, memory: dict, seq_id: int, n: int) -> list:
+def read(bm: KVCacheManager, memory: dict, seq_id: int, n: int) -> list:
     table = bm.block_table(seq_id)
     return [memory.get(table[p // bm.block_size] * bm.block_size + p % bm.block_size)
             for p in range(n)]
@@ -41,13 +41,13 @@ def read(bm: BlockManager, memory: dict, seq_id: int, n: int) -> list:
 
 def test_rejects_bad_sizes():
     with pytest.raises(ValueError, match="num_blocks"):
-        BlockManager(0, 16)
+        KVCacheManager(0, 16)
     with pytest.raises(ValueError, match="block_size"):
-        BlockManager(4, 0)
+        KVCacheManager(4, 0)
 
 
 def test_allocate_and_free_return_every_block():
-    bm = BlockManager(8, BS)
+    bm = KVCacheManager(8, BS)
     bm.admit(1, [1] * 10, [])
     assert bm.allocate_slots(1, 0, 10) == []
     assert len(bm.block_table(1)) == 3 and bm.num_free_blocks == 5
@@ -58,7 +58,7 @@ def test_allocate_and_free_return_every_block():
 
 
 def test_allocate_slots_fails_without_change_when_short():
-    bm = BlockManager(3, BS, enable_prefix_caching=False)
+    bm = KVCacheManager(3, BS, enable_prefix_caching=False)
     bm.admit(1, [0] * 8, [])
     bm.allocate_slots(1, 0, 8)
     bm.admit(2, [0] * 8, [])
@@ -68,7 +68,7 @@ def test_allocate_slots_fails_without_change_when_short():
 
 
 def test_fork_shares_and_copy_on_write_copies_last_block_once():
-    bm = BlockManager(10, BS)
+    bm = KVCacheManager(10, BS)
     tokens = [1, 2, 3, 4, 5, 6]  # one full block and a partial one
     bm.admit(1, tokens, [])
     bm.allocate_slots(1, 0, 6)
@@ -91,7 +91,7 @@ def test_fork_shares_and_copy_on_write_copies_last_block_once():
 
 
 def test_prefix_cache_reuses_longest_prefix_and_leaves_one_token():
-    bm = BlockManager(10, BS)
+    bm = KVCacheManager(10, BS)
     a = list(range(10))
     bm.admit(1, a, bm.find_cached_prefix(a))
     bm.allocate_slots(1, 0, 10)
@@ -99,7 +99,7 @@ def test_prefix_cache_reuses_longest_prefix_and_leaves_one_token():
     bm.free(1)
     b = a[:8] + [99, 98, 97]
     hits = bm.find_cached_prefix(b)
-    assert hits == bm_module_table_prefix(bm, a, 2)
+    assert hits == cached_blocks(bm, a, 2)
     assert bm.admit(2, b, hits) == 8
     bm.check_integrity()
     # A prompt made exactly of cached blocks keeps its last block to compute.
@@ -107,19 +107,20 @@ def test_prefix_cache_reuses_longest_prefix_and_leaves_one_token():
     assert bm.prefix_cache_hits > 0 and bm.prefix_cache_queries >= bm.prefix_cache_hits
 
 
-def bm_module_table_prefix(bm: BlockManager, tokens: list[int], n: int) -> list[int]:
+def cached_blocks(bm: KVCacheManager, tokens: list[int], n: int) -> list[int]:
     """The cached blocks for the first n blocks of `tokens`, read from the cache index."""
-    parent = bm_module._ROOT_HASH
+    parent = kvm_module.ROOT_HASH
     out = []
     for i in range(n):
-        parent = bm_module.chain_hash(parent, tuple(tokens[i * BS:(i + 1) * BS]))
-        out.append(bm._cache[parent])
+        block_tokens = tuple(tokens[i * BS:(i + 1) * BS])
+        parent = kvm_module.chain_hash(parent, block_tokens)
+        out.append(bm.pool.lookup(parent, block_tokens))
     return out
 
 
 def test_hash_collision_is_caught_by_comparing_tokens(monkeypatch):
-    monkeypatch.setattr(bm_module, "chain_hash", lambda parent, tokens: 7)
-    bm = BlockManager(6, BS)
+    monkeypatch.setattr(kvm_module, "chain_hash", lambda parent, tokens: 7)
+    bm = KVCacheManager(6, BS)
     a = [1, 2, 3, 4, 5]
     bm.admit(1, a, [])
     bm.allocate_slots(1, 0, 5)
@@ -130,7 +131,7 @@ def test_hash_collision_is_caught_by_comparing_tokens(monkeypatch):
 
 
 def test_lru_evicts_oldest_cached_block_and_hit_takes_from_middle():
-    bm = BlockManager(3, BS)
+    bm = KVCacheManager(3, BS)
     seqs = {s: [s * 10 + i for i in range(BS + 1)] for s in (1, 2, 3)}
     for s, toks in seqs.items():  # each caches one full block, then is freed in order 1, 2, 3
         bm.admit(s, toks, [])
@@ -147,7 +148,7 @@ def test_lru_evicts_oldest_cached_block_and_hit_takes_from_middle():
 
 
 def test_swap_out_and_in_keep_sharing_and_contents():
-    bm = BlockManager(6, BS, num_host_blocks=6)
+    bm = KVCacheManager(6, BS, num_host_blocks=6)
     memory: dict = {}
     toks = [5, 6, 7, 8, 9, 10]
     bm.admit(1, toks, [])
@@ -172,19 +173,19 @@ def test_swap_out_and_in_keep_sharing_and_contents():
 
 
 def test_swap_out_refuses_when_host_pool_is_short():
-    bm = BlockManager(6, BS, num_host_blocks=1)
+    bm = KVCacheManager(6, BS, num_host_blocks=1)
     bm.admit(1, [0] * 8, [])
     bm.allocate_slots(1, 0, 8)
     assert bm.swap_out([1]) is None and bm.is_resident(1)
     bm.check_integrity()
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
+class KVCacheManagerMachine(RuleBasedStateMachine):
     """Random admit / extend / fork / free / swap sequences against a simulated KV memory."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(12, BS, num_host_blocks=8)
+        self.bm = KVCacheManager(12, BS, num_host_blocks=8)
         self.memory: dict = {}
         self.host: dict = {}
         self.tokens: dict[int, list[int]] = {}
@@ -275,13 +276,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_used_blocks <= self.bm.num_blocks
 
 
-BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+KVCacheManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                                   deadline=None)
-test_block_manager_state_machine = BlockManagerMachine.TestCase
+test_kv_cache_manager_state_machine = KVCacheManagerMachine.TestCase
 
 
 def test_everything_freed_after_random_run():
-    bm = BlockManager(5, BS, num_host_blocks=2)
+    bm = KVCacheManager(5, BS, num_host_blocks=2)
     for s in range(3):
         toks = list(range(s, s + 7))
         done = bm.admit(s, toks, bm.find_cached_prefix(toks))
