@@ -478,7 +478,7 @@ class PlannedLayer:
                 and _matches(value_cache, self.cache_shape, self.dtype, self.device, 3)
                 and (out is None or _matches(out, self.query_shape, self.dtype, self.device, 2))):
             q, k, _ = check_layer_tensors(query, key_cache, value_cache)
-            # in decode the plan's num_tokens is num_seqs (resolve_num_tokens)
+            # in decode the plan's num_tokens is num_seqs (check_plan_tokens)
             check_decode_tokens(q.shape[0], self.query_shape[0], self.decode)
             out = check_out(out, q)
             _check_planned("query", q, self.query_shape, self.dtype, self.device)
