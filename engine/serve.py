@@ -157,9 +157,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from engine.server.app import OpenAIServer, create_app
+    from engine.server.app import create_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.metrics import ServerMetrics
+    from engine.server.routes import OpenAIServer
 
     names = served_names(args.model, args.served_model_name)
     metrics = ServerMetrics(names[0])

@@ -1,0 +1,149 @@
+"""The deltas of one request's engine requests -> OpenAI's response body or its stream chunks.
+
+A job is made per request once its engine requests are added. `collect` consumes the merged
+deltas (`streaming.merge`) and returns the whole response; `stream` yields the server-sent
+events, ending with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+
+from engine.server import responses as R
+from engine.server.async_engine import RequestDelta
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from engine.server.routes import OpenAIServer
+
+Deltas = AsyncIterator[tuple[int, RequestDelta]]
+
+
+class CompletionJob:
+    """Turns the deltas of one completions request (one engine request per prompt, `n`
+    choices each) into OpenAI's response or stream chunks. Choice `index` is
+    `prompt index * n + choice`; with `echo` the prompt leads each choice's text."""
+
+    def __init__(self, server: OpenAIServer, req: CompletionRequest, request_id: str,
+                 prompts: list[list[int]]) -> None:
+        self.server, self.req, self.request_id = server, req, request_id
+        self.prompts = prompts
+        self.created = int(time.time())
+        self.num_prompt_tokens = sum(len(p) for p in prompts)
+        self.num_output: dict[int, int] = {}
+        self.logprobs: dict[int, R.CompletionLogprobs] = {}
+        self.echoed: set[int] = set()
+
+    def _choices(self, prompt_idx: int, delta: RequestDelta) -> list[dict[str, Any]]:
+        out = []
+        self.num_output[prompt_idx] = delta.num_output_tokens
+        for ch in delta.choices:
+            index = prompt_idx * self.req.n + ch.index
+            text = ch.text
+            if self.req.echo and index not in self.echoed:
+                self.echoed.add(index)
+                prompt = self.req.prompts()[prompt_idx]
+                text = (prompt if isinstance(prompt, str)
+                        else self.server.tokenizer.decode(prompt)) + text
+            lp = None
+            if self.req.logprobs is not None:
+                acc = self.logprobs.setdefault(
+                    index, R.CompletionLogprobs(self.server.token_text, self.req.logprobs))
+                lp = acc.chunk(*R.new_tokens(ch))
+            out.append(R.completion_choice(index, text, lp, ch.finish_reason, ch.stop_reason))
+        return out
+
+    def _usage(self) -> dict[str, int]:
+        return R.usage(self.num_prompt_tokens, sum(self.num_output.values()))
+
+    async def collect(self, deltas: Deltas) -> dict[str, Any]:
+        """The completion body: each choice's text and logprobs joined, its last finish."""
+        parts: dict[int, list[dict[str, Any]]] = {}
+        async for prompt_idx, delta in deltas:
+            for choice in self._choices(prompt_idx, delta):
+                parts.setdefault(choice["index"], []).append(choice)
+        choices = []
+        for index in sorted(parts):
+            seq = parts[index]
+            lps = [c["logprobs"] for c in seq if c["logprobs"] is not None]
+            choices.append(R.completion_choice(
+                index, "".join(c["text"] for c in seq), R.CompletionLogprobs.merge(lps)
+                if self.req.logprobs is not None else None,
+                seq[-1]["finish_reason"], seq[-1]["stop_reason"]))
+        return R.completion_body(self.request_id, self.created, self.server.model_name, choices,
+                                 self._usage())
+
+    async def stream(self, deltas: Deltas) -> AsyncIterator[bytes]:
+        """One chunk per delta with choices, the usage chunk if asked for, then `[DONE]`."""
+        name = self.server.model_name
+        encoder = R.ChunkEncoder(R.completion_body(self.request_id, self.created, name, [],
+                                                   None, chunk=True))
+        async for prompt_idx, delta in deltas:
+            choices = self._choices(prompt_idx, delta)
+            if choices:
+                yield encoder.event(choices)
+        if self.req.include_usage:
+            yield R.sse(R.completion_body(self.request_id, self.created, name, [],
+                                          self._usage(), chunk=True))
+        yield R.DONE
+
+
+class ChatJob:
+    """Turns the deltas of one chat request into OpenAI's chat response or stream chunks."""
+
+    def __init__(self, server: OpenAIServer, req: ChatCompletionRequest, request_id: str,
+                 num_prompt_tokens: int, num_logprobs: Optional[int]) -> None:
+        self.server, self.req, self.request_id = server, req, request_id
+        self.created = int(time.time())
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_logprobs = num_logprobs
+        self.num_output = 0
+
+    def _logprobs(self, ch: Any) -> Optional[list[dict[str, Any]]]:
+        if self.num_logprobs is None:
+            return None
+        return R.chat_logprobs(self.server.token_text, self.num_logprobs, *R.new_tokens(ch))
+
+    def _usage(self) -> dict[str, int]:
+        return R.usage(self.num_prompt_tokens, self.num_output)
+
+    async def collect(self, deltas: Deltas) -> dict[str, Any]:
+        """The chat completion body: each choice's content and logprobs joined."""
+        texts: dict[int, list[str]] = {}
+        lps: dict[int, list[dict[str, Any]]] = {}
+        ends: dict[int, tuple[Optional[str], Any]] = {}
+        async for _, delta in deltas:
+            self.num_output = delta.num_output_tokens
+            for ch in delta.choices:
+                texts.setdefault(ch.index, []).append(ch.text)
+                lps.setdefault(ch.index, []).extend(self._logprobs(ch) or [])
+                ends[ch.index] = (ch.finish_reason, ch.stop_reason)
+        choices = [R.chat_choice(i, "".join(texts[i]),
+                                 lps[i] if self.num_logprobs is not None else None, *ends[i])
+                   for i in sorted(texts)]
+        return R.chat_body(self.request_id, self.created, self.server.model_name, choices,
+                           self._usage())
+
+    async def stream(self, deltas: Deltas) -> AsyncIterator[bytes]:
+        """A first chunk with each choice's assistant role, one chunk per delta with choices,
+        the usage chunk if asked for, then `[DONE]`."""
+        name = self.server.model_name
+        encoder = R.ChunkEncoder(R.chat_body(self.request_id, self.created, name, [], None,
+                                             chunk=True),
+                                 {"usage": None} if self.req.include_usage else None)
+        chunk = encoder.event
+        yield chunk([R.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)
+                     for i in range(self.req.n)])
+        async for _, delta in deltas:
+            self.num_output = delta.num_output_tokens
+            choices = [R.chat_chunk_choice(ch.index, {"content": ch.text} if ch.text else {},
+                                           self._logprobs(ch), ch.finish_reason,
+                                           ch.stop_reason)
+                       for ch in delta.choices]
+            if choices:
+                yield chunk(choices)
+        if self.req.include_usage:
+            yield R.sse(R.chat_body(self.request_id, self.created, name, [], self._usage(),
+                                    chunk=True))
+        yield R.DONE

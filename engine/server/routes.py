@@ -1,0 +1,148 @@
+"""The handlers of the routes `app.create_app` registers: OpenAI's completions and chat
+completions (streaming and not), models, tokenize and detokenize, and the engine's stats, on top
+of one `AsyncEngine`.
+
+Request handling: check the model name and readiness, turn the prompt into token ids, check its
+length against `max_model_len`, build `SamplingParams` (their ValueErrors become 400s; all in
+`inputs`), then add one engine request per prompt and either stream server-sent events or wait
+for the end (`streaming`), the deltas made into OpenAI's JSON by a job (`jobs`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, is_dataclass
+from typing import Any, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.server import inputs
+from engine.server.async_engine import AsyncEngine
+from engine.server.errors import APIError
+from engine.server.jobs import ChatJob, CompletionJob
+from engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from engine.server.streaming import add_all, merge, sse_response, until_disconnect
+
+
+class OpenAIServer:
+    """The endpoints' logic for one served model. `model_names`: the names a request may use
+    (the first is the one reported)."""
+
+    def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
+        assert model_names, "at least one served model name"
+        self.engine = engine
+        self.model_names = model_names
+        self.created = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        """The name reported in responses."""
+        return self.model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        """The loaded engine's tokenizer."""
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Most tokens per sequence, prompt and output together."""
+        return int(self.engine.engine.max_model_len)
+
+    def check_model(self, name: Optional[str]) -> None:
+        """404 unless `name` is None or one of the served names."""
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"model: the model '{name}' does not exist; this server serves "
+                           f"{self.model_name!r}", "model")
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (for logprobs)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        """POST /v1/completions: one engine request per prompt."""
+        self.check_model(req.model)
+        self.engine.check_ready()
+        req.check_best_of()
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo: prompt logprobs are not supported; use echo without "
+                           "logprobs", "echo")
+        prompts = [inputs.prompt_ids(self.tokenizer, p, req.add_special_tokens)
+                   for p in req.prompts()]
+        params = []
+        for ids in prompts:
+            kwargs = req.base_sampling_kwargs()
+            kwargs["max_tokens"] = inputs.max_tokens(self.max_model_len, len(ids),
+                                                     req.max_tokens)
+            kwargs["logprobs"] = req.logprobs
+            params.append(inputs.sampling_params(kwargs))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await add_all(self.engine, request_id, prompts, params)
+        job = CompletionJob(self, req, request_id, prompts)
+        if req.stream:
+            return sse_response(job.stream(merge(streams)))
+        return JSONResponse(await until_disconnect(raw, job.collect(merge(streams))))
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        """POST /v1/chat/completions: the messages rendered by the chat template."""
+        self.check_model(req.model)
+        self.engine.check_ready()
+        num_logprobs = req.num_logprobs
+        ids = inputs.chat_prompt_ids(self.tokenizer, req)
+        kwargs = req.base_sampling_kwargs()
+        kwargs["max_tokens"] = inputs.max_tokens(self.max_model_len, len(ids),
+                                                 req.requested_max_tokens)
+        kwargs["logprobs"] = num_logprobs
+        params = inputs.sampling_params(kwargs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await add_all(self.engine, request_id, [ids], [params])
+        job = ChatJob(self, req, request_id, len(ids), num_logprobs)
+        if req.stream:
+            return sse_response(job.stream(merge(streams)))
+        return JSONResponse(await until_disconnect(raw, job.collect(merge(streams))))
+
+    def models(self) -> dict[str, Any]:
+        """GET /v1/models: the one served model."""
+        self.engine.check_ready()
+        return {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created,
+             "owned_by": "paged-kernels", "root": self.model_name,
+             "max_model_len": self.max_model_len}]}
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """POST /tokenize: the ids of exactly one of a prompt or chat messages."""
+        self.check_model(req.model)
+        self.engine.check_ready()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "tokenize: expected exactly one of 'prompt' and 'messages'")
+        if req.messages is not None:
+            chat = ChatCompletionRequest(messages=req.messages,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         add_special_tokens=bool(req.add_special_tokens))
+            ids = inputs.chat_prompt_ids(self.tokenizer, chat)
+        else:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=add)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        """POST /detokenize: the text of token ids, special tokens kept."""
+        self.check_model(req.model)
+        self.engine.check_ready()
+        ids = inputs.prompt_ids(self.tokenizer, req.tokens, False)
+        return {"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)}
+
+    def engine_stats(self) -> dict[str, Any]:
+        """GET /internal/stats: the engine's last stats snapshot as a dict."""
+        self.engine.check_ready()
+        stats = self.engine.last_stats
+        if is_dataclass(stats):
+            return asdict(stats)  # type: ignore[arg-type]
+        return dict(stats or {})
