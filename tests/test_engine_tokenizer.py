@@ -1,8 +1,10 @@
 """The tokenizer built from the default GGUF's metadata against transformers' tokenizer for the
-same file; chat templates; incremental detokenisation of multi-byte characters."""
+same file; chat templates; incremental detokenisation of multi-byte characters; a Hugging Face
+directory's special tokens and chat template files."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -106,3 +108,40 @@ def test_incremental_detokenizer_skips_special_tokens(tok):
 def test_unsupported_gguf_tokenizer_is_an_error(tok):
     with pytest.raises(ValueError, match="tokenizer.ggml.model"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert"})
+
+
+def _write_json(path, value) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f)
+
+
+def test_hf_dir_special_tokens_and_chat_template_sources(tmp_path):
+    """Special tokens as strings or AddedToken dicts, extra EOS ids; the chat template from
+    chat_template.jinja, else tokenizer_config.json, else chat_template.json (of named templates
+    "default", else the first); no tokenizer.json is an error naming it."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    vocab = {"<s>": 0, "</s>": 1, "<eot>": 2, "hi": 3}
+    Backend(models.WordLevel(vocab, unk_token="<s>")).save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"}
+    _write_json(tmp_path / "tokenizer_config.json", config)
+
+    def load() -> Tokenizer:
+        return Tokenizer.from_hf_dir(str(tmp_path), extra_eos_token_ids=[2])
+
+    tok = load()
+    assert (tok.bos_token, tok.bos_token_id, tok.eos_token) == ("<s>", 0, "</s>")
+    assert tok.eos_token_ids == {1, 2} and tok.chat_template is None
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    _write_json(tmp_path / "chat_template.json", {"chat_template": named})
+    assert load().chat_template == "D"
+    _write_json(tmp_path / "chat_template.json", {"chat_template": named[:1]})
+    assert load().chat_template == "T"
+    _write_json(tmp_path / "tokenizer_config.json", {**config, "chat_template": "C"})
+    assert load().chat_template == "C"
+    (tmp_path / "chat_template.jinja").write_text("J{{ bos_token }}", encoding="utf-8")
+    assert load().apply_chat_template([{"role": "user", "content": "hi"}]) == "J<s>"
+    os.remove(tmp_path / "tokenizer.json")
+    with pytest.raises(FileNotFoundError, match="^model: expected .*tokenizer.json"):
+        load()
