@@ -22,7 +22,7 @@ import paged_kernels as pk
 from bench.ceilings import copy_bandwidth
 from bench.shapes import BenchProblem, make_problem, sdpa_dense
 from bench.timing import median_seconds
-from cuda.paged_cuda import ops
+from cuda.paged_cuda import planner, settings
 
 GPU = torch.cuda.is_available()
 BACKEND = "cuda" if GPU else "cuda-host"
@@ -76,12 +76,12 @@ def _record(benchmark, p: BenchProblem, fn, copy: float, **extra) -> None:
 def test_decode(benchmark, monkeypatch, copy_gbps: float, partition: str, batch: int,
                 context: int, q_len: int) -> None:
     if partition != "heuristic":
-        monkeypatch.setenv(ops.PARTITION_ENV, partition)
+        monkeypatch.setenv(settings.PARTITION_ENV, partition)
     p = make_problem(batch, context, q_len, dtype=DTYPE, device=DEVICE, **HEADS)
     problem = pk.abi.check_attention_args(p.query, p.key_cache, p.value_cache, p.block_tables,
                                           p.seq_lens)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if GPU else 4
-    plan = ops.plan_attention(problem, sms)
+    plan = planner.plan_attention(problem, sms)
     _record(benchmark, p, _runner(p), copy_gbps, partition_size=plan.partition_size,
             num_splits=plan.num_splits, launcher=getattr(pk.get_backend(BACKEND),
                                                          "launcher_kind", "host"))

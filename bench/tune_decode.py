@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from bench import kernels, tune_verdict
+from bench import kernels
 from bench.ceilings import copy_bandwidth
-from cuda.paged_cuda import ops
+from cuda.paged_cuda import tune_verdict
+from cuda.paged_cuda.settings import check_plan_env
 
 SHAPES = [(1, 16384), (32, 1024), (32, 4096), (32, 16384), (128, 1024), (128, 4096)]
 #: The CUDA decode kernel's choices (docs/cuda.md, "Tuning on a GPU"): the default (64-key tiles,
@@ -49,10 +50,9 @@ VARIANTS = ["triton", "cuda", "cuda:PAGED_KERNELS_CUDA_DECODE_STAGES=3",
 #: Causal prefill (batch, context, query tokens per sequence): one long prompt, and a batch of
 #: chunks on a cached prefix.
 PREFILL_SHAPES = [(1, 4096, 4096), (8, 8192, 512)]
-#: The CUDA varlen kernel with its cp.async ring (the default, 4 warps: 64 query rows per
-#: block), the same with 8 warps (128 rows), and the synchronous kernel it replaced.
-PREFILL_VARIANTS = ["triton", "cuda", "cuda:PAGED_KERNELS_CUDA_VARLEN_WARPS=8",
-                    "cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=1"]
+#: The CUDA varlen kernel with its default 4 warps (64 query rows per block) and with 8 warps
+#: (128 rows).
+PREFILL_VARIANTS = ["triton", "cuda", "cuda:PAGED_KERNELS_CUDA_VARLEN_WARPS=8"]
 TRITON_CONSTANTS = ("PROGRAMS_PER_SM", "MIN_SPLIT_TOKENS")
 
 
@@ -68,7 +68,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
             raise ValueError(f"variant {text!r}: {name!r} is neither a PAGED_KERNELS_* "
                              f"environment variable nor one of {TRITON_CONSTANTS}")
         settings[name] = value
-    ops.check_plan_env(settings)
+    check_plan_env(settings)
     return backend, settings
 
 

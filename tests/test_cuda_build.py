@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import paged_kernels as pk
-from cuda.paged_cuda import build, ops
+from cuda.paged_cuda import build, launch, params, planner, settings
 
 FULL_ENV = "PAGED_KERNELS_FULL_CUDA_CHECK"
 NVCC = build.find_nvcc()
@@ -102,17 +102,16 @@ def test_every_kernel_compiles_without_hot_spills(reports) -> None:
 @needs_nvcc
 def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
     full = os.environ.get(FULL_ENV, "1") != "0"
-    head_sizes = ops.HEAD_SIZES if full else ops.REDUCED_HEAD_SIZES
+    head_sizes = params.HEAD_SIZES if full else params.REDUCED_HEAD_SIZES
     compiled = {(r.arch, r.name.split("(")[0].replace("void ", "")) for r in reports}
     wanted = set()
-    for ctype in ops.CTYPES.values():
+    for ctype in params.CTYPES.values():
         for d in head_sizes:
             if ctype == "float":
                 wanted.add(f"pk_varlen_simt_kernel<{ctype}, {d}>")
-                wanted |= {f"pk_decode_kernel<{ctype}, {d}, {g}>" for g in ops.GROUP_TILES}
+                wanted |= {f"pk_decode_kernel<{ctype}, {d}, {g}>" for g in planner.GROUP_TILES}
             else:
-                wanted |= {f"pk_varlen_mma_kernel<{ctype}, {d}>",
-                           f"pk_varlen_mma_async_kernel<{ctype}, {d}, 4>",
+                wanted |= {f"pk_varlen_mma_async_kernel<{ctype}, {d}, 4>",
                            f"pk_varlen_mma_async_kernel<{ctype}, {d}, 8>",
                            f"pk_decode_mma_kernel<{ctype}, {d}, 4>",
                            f"pk_decode_mma_kernel<{ctype}, {d}, 2>"}
@@ -140,17 +139,15 @@ def _problem(dtype, heads: tuple[int, int], q_lens, head_size: int = 128, block_
 
 PLANNED = [(dtype, heads, q_lens) for dtype in ("float32", "float16", "bfloat16")
            for heads in ((4, 4), (8, 4), (6, 2), (8, 1), (64, 2)) for q_lens in (None, [5, 1, 9])]
-#: Every kernel choice the environment can force (decode tile and synchronisation, varlen
-#: kernel), and the defaults.
-FORCED = [{}, {ops.DECODE_TILE_ENV: "32"}, {ops.DECODE_SYNC_ENV: "warp"},
-          {ops.DECODE_PREFETCH_ENV: "1"}, {ops.VARLEN_STAGES_ENV: "1"},
-          {ops.VARLEN_WARPS_ENV: "8"}]
+#: Every kernel choice the environment can force (decode tile, synchronisation and prefetch,
+#: varlen warps), and the defaults.
+FORCED = [{}, {settings.DECODE_TILE_ENV: "32"}, {settings.DECODE_SYNC_ENV: "warp"},
+          {settings.DECODE_PREFETCH_ENV: "1"}, {settings.VARLEN_WARPS_ENV: "8"}]
 
 
 @needs_nvcc
 @pytest.mark.parametrize("env", FORCED, ids=["default", "decode-tile-32", "decode-warp-sync",
-                                             "decode-l2-prefetch", "varlen-sync",
-                                             "varlen-8-warps"])
+                                             "decode-l2-prefetch", "varlen-8-warps"])
 @pytest.mark.parametrize("dtype,heads,q_lens", PLANNED)
 def test_every_launch_a_plan_makes_is_compiled(reports, monkeypatch, env, dtype, heads,
                                                q_lens) -> None:
@@ -160,12 +157,12 @@ def test_every_launch_a_plan_makes_is_compiled(reports, monkeypatch, env, dtype,
         monkeypatch.setenv(name, value)
     compiled = {r.name.split("(")[0].replace("void ", "") for r in reports}
     problem = _problem(getattr(torch, dtype), heads, q_lens)
-    plan = ops.plan_attention(problem, num_sms=132)
-    values = ops.unpack("attn", ops.pack("attn", ops._attn_values(
+    plan = planner.plan_attention(problem, num_sms=132)
+    values = params.unpack("attn", params.pack("attn", launch.attn_values(
         problem, plan, problem.query, problem.key_cache, problem.value_cache, problem.out, None)))
-    for name, grid, threads, smem in ops.attention_launches(values):
+    for name, grid, threads, smem in launch.attention_launches(values):
         assert name in compiled, f"{name} is launched by the plan but not compiled"
-        assert threads in (64, ops.THREADS, 256) and min(grid) >= 1 and smem >= 0
+        assert threads in (64, planner.THREADS, 256) and min(grid) >= 1 and smem >= 0
 
 
 @pytest.mark.parametrize("dtype,kernel,ctype", [
@@ -183,10 +180,10 @@ def test_jit_launches_exactly_the_planned_kernels(dtype, kernel, ctype) -> None:
     module._run = lambda header, name, grid, threads, smem, stream, params: calls.append(
         (header, name, grid, smem))
     problem = _problem(getattr(torch, dtype), (32, 8), None)
-    plan = ops.plan_attention(problem, num_sms=132)
-    values = ops._attn_values(problem, plan, problem.query, problem.key_cache,
+    plan = planner.plan_attention(problem, num_sms=132)
+    values = launch.attn_values(problem, plan, problem.query, problem.key_cache,
                               problem.value_cache, problem.out, None)
-    module.paged_attention(ops.pack("attn", values), 0)
+    module.paged_attention(params.pack("attn", values), 0)
     expected = [("pk_decode.cuh", kernel, plan.grid, plan.smem_bytes)]
     if plan.num_splits > 1:
         expected.append(("pk_decode.cuh", f"pk_decode_reduce_kernel<{ctype}>", (32, 3, 1), 0))
@@ -195,15 +192,11 @@ def test_jit_launches_exactly_the_planned_kernels(dtype, kernel, ctype) -> None:
 
 @pytest.mark.parametrize("env,kernel,threads", [
     ({}, "pk_varlen_mma_async_kernel<__nv_bfloat16, 128, 4>", 128),
-    ({ops.VARLEN_WARPS_ENV: "8"}, "pk_varlen_mma_async_kernel<__nv_bfloat16, 128, 8>", 256),
-    ({ops.VARLEN_STAGES_ENV: "1"}, "pk_varlen_mma_kernel<__nv_bfloat16, 128>", 128),
-    ({ops.VARLEN_STAGES_ENV: "1", ops.VARLEN_WARPS_ENV: "8"},
-     "pk_varlen_mma_kernel<__nv_bfloat16, 128>", 128),
-    ({ops.DECODE_TILE_ENV: "32"}, "pk_decode_mma_kernel<__nv_bfloat16, 128, 2>", 64)])
+    ({settings.VARLEN_WARPS_ENV: "8"}, "pk_varlen_mma_async_kernel<__nv_bfloat16, 128, 8>", 256),
+    ({settings.DECODE_TILE_ENV: "32"}, "pk_decode_mma_kernel<__nv_bfloat16, 128, 2>", 64)])
 def test_jit_launches_the_forced_kernel_choices(monkeypatch, env, kernel, threads) -> None:
-    """The JIT dispatch of the choices the environment forces: the varlen kernel (cp.async ring
-    with 4 or 8 warps, or synchronous, which ignores the warps) from its header, the 2-warp
-    decode kernel with 64 threads."""
+    """The JIT dispatch of the choices the environment forces: the varlen kernel with 4 or 8
+    warps from its header, the 2-warp decode kernel with 64 threads."""
     import torch
 
     from cuda.paged_cuda import jit
@@ -214,12 +207,12 @@ def test_jit_launches_the_forced_kernel_choices(monkeypatch, env, kernel, thread
     calls = []
     module._run = lambda header, name, grid, threads, smem, stream, params: calls.append(
         (header, name, threads))
-    decode = ops.DECODE_TILE_ENV in env
+    decode = settings.DECODE_TILE_ENV in env
     problem = _problem(torch.bfloat16, (32, 8), None if decode else [5, 1, 9])
-    plan = ops.plan_attention(problem, num_sms=132)
-    values = ops._attn_values(problem, plan, problem.query, problem.key_cache,
+    plan = planner.plan_attention(problem, num_sms=132)
+    values = launch.attn_values(problem, plan, problem.query, problem.key_cache,
                               problem.value_cache, problem.out, None)
-    module.paged_attention(ops.pack("attn", values), 0)
+    module.paged_attention(params.pack("attn", values), 0)
     header = "pk_decode.cuh" if decode else "pk_varlen.cuh"
     assert calls[0] == (header, kernel, threads)
 
@@ -262,7 +255,7 @@ def _nvrtc_compile(lib: ctypes.CDLL, include: str, header: str, names: list[str]
     try:
         for name in names:
             assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
-        opts = [b"-std=c++17", f"-I{ops.CSRC_DIR}".encode(), f"-I{include}".encode(),
+        opts = [b"-std=c++17", f"-I{params.CSRC_DIR}".encode(), f"-I{include}".encode(),
                 f"--gpu-architecture=sm_{arch}".encode()]
         status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         if status != 0:
@@ -286,23 +279,23 @@ def test_jit_sources_compile_with_nvrtc(monkeypatch) -> None:
     lib, include = _nvrtc()
     names: dict[str, set[str]] = {}
     for env in FORCED:
-        for name in ops.PLAN_ENVS:
+        for name in settings.PLAN_ENVS:
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for d in ops.HEAD_SIZES:
+            for d in params.HEAD_SIZES:
                 for q_lens in (None, [5, 1, 9]):
                     problem = _problem(dtype, (8, 2), q_lens, head_size=d)
-                    plan = ops.plan_attention(problem, num_sms=132)
-                    values = ops.unpack("attn", ops.pack("attn", ops._attn_values(
+                    plan = planner.plan_attention(problem, num_sms=132)
+                    values = params.unpack("attn", params.pack("attn", launch.attn_values(
                         problem, plan, problem.query, problem.key_cache, problem.value_cache,
                         problem.out, None)))
-                    for name, *_ in ops.attention_launches(values):
+                    for name, *_ in launch.attention_launches(values):
                         header = "pk_decode.cuh" if name.startswith("pk_decode") else \
                             "pk_varlen.cuh"
                         names.setdefault(header, set()).add(name)
-    assert sum(len(n) for n in names.values()) > 80
+    assert sum(len(n) for n in names.values()) > 70
     for arch in ("80", "90"):
         for header, wanted in names.items():
             _nvrtc_compile(lib, include, header, sorted(wanted), arch)
@@ -326,21 +319,21 @@ ptxas info    : Used 40 registers
 
 
 def test_params_layout_is_read_from_the_header() -> None:
-    names = [n for n, _ in ops.FIELDS["attn"]]
+    names = [n for n, _ in params.FIELDS["attn"]]
     assert names[:3] == ["q", "k_cache", "v_cache"] and names[-2:] == ["scale", "soft_cap"]
     values = {n: i for i, n in enumerate(names)}
     values["scale"], values["soft_cap"] = 0.125, 2.5
-    assert ops.unpack("attn", ops.pack("attn", values)) == values
+    assert params.unpack("attn", params.pack("attn", values)) == values
 
 
 def test_decode_kernel_per_dtype() -> None:
     """Decode of 16-bit types plans the mma kernel, float32 the SIMT one."""
     import torch
 
-    for dtype, kernel in [(torch.float16, ops.KERNEL_DECODE_MMA),
-                          (torch.bfloat16, ops.KERNEL_DECODE_MMA),
-                          (torch.float32, ops.KERNEL_DECODE)]:
-        assert ops.plan_attention(_problem(dtype, (32, 8), None), num_sms=132).kernel == kernel
+    for dtype, kernel in [(torch.float16, params.KERNEL_DECODE_MMA),
+                          (torch.bfloat16, params.KERNEL_DECODE_MMA),
+                          (torch.float32, params.KERNEL_DECODE)]:
+        assert planner.plan_attention(_problem(dtype, (32, 8), None), num_sms=132).kernel == kernel
 
 
 def test_decode_mma_shared_memory_fits_every_head_size(monkeypatch) -> None:
@@ -348,21 +341,21 @@ def test_decode_mma_shared_memory_fits_every_head_size(monkeypatch) -> None:
     for every compiled head size, at the largest partition and the smallest block size."""
     import torch
 
-    monkeypatch.setenv(ops.PARTITION_ENV, str(ops.MAX_PARTITION))
-    for d in ops.HEAD_SIZES:
+    monkeypatch.setenv(settings.PARTITION_ENV, str(planner.MAX_PARTITION))
+    for d in params.HEAD_SIZES:
         problem = _problem(torch.bfloat16, (32, 8), None, head_size=d, block_size=1)
-        plan = ops._plan_decode_mma(problem, num_sms=1)
-        assert plan.kernel == ops.KERNEL_DECODE_MMA and plan.grid == (8, 3, plan.num_splits)
+        plan = planner._plan_decode_mma(problem, num_sms=1)
+        assert plan.kernel == params.KERNEL_DECODE_MMA and plan.grid == (8, 3, plan.num_splits)
         assert plan.smem_bytes <= 163 * 1024, (d, plan.smem_bytes)
         assert plan.stages == 2
-    monkeypatch.setenv(ops.STAGES_ENV, "4")
+    monkeypatch.setenv(settings.STAGES_ENV, "4")
     for d, stages in [(64, 4), (128, 4), (256, 2)]:
         problem = _problem(torch.bfloat16, (32, 8), None, head_size=d, block_size=1)
-        plan = ops._plan_decode_mma(problem, num_sms=1)
+        plan = planner._plan_decode_mma(problem, num_sms=1)
         assert plan.stages == stages and plan.smem_bytes <= 163 * 1024, (d, plan)
-    monkeypatch.setenv(ops.STAGES_ENV, "5")
+    monkeypatch.setenv(settings.STAGES_ENV, "5")
     with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_STAGES: expected 2, 3 or 4"):
-        ops.mma_decode_stages(128)
+        settings.mma_decode_stages()
 
 
 def _blocks_per_sm(plan) -> int:
@@ -381,25 +374,26 @@ def test_decode_mma_tile_32_halves_shared_memory(monkeypatch, head_size, blocks_
     import torch
 
     problem = _problem(torch.bfloat16, (32, 8), None, head_size=head_size, block_size=1)
-    default = ops._plan_decode_mma(problem, num_sms=132)
-    monkeypatch.setenv(ops.DECODE_TILE_ENV, "32")
-    small = ops._plan_decode_mma(problem, num_sms=132)
+    default = planner._plan_decode_mma(problem, num_sms=132)
+    monkeypatch.setenv(settings.DECODE_TILE_ENV, "32")
+    small = planner._plan_decode_mma(problem, num_sms=132)
     assert (default.threads, small.threads) == (128, 64)
     pitch, q = 2 * (head_size + 8), (16 if head_size > 128 else 0)
     assert default.smem_bytes == (q + 2 * 2 * 64) * pitch + 16 * 2 * 64
     assert small.smem_bytes == (q + 2 * 2 * 32) * pitch + 16 * 2 * 32
     assert (_blocks_per_sm(default), _blocks_per_sm(small)) == (blocks_64, blocks_32)
-    assert ops.mma_decode_min_blocks(head_size, 2) == 2 * ops.mma_decode_min_blocks(head_size)
+    assert planner.mma_decode_min_blocks(head_size, 2) == \
+        2 * planner.mma_decode_min_blocks(head_size)
     for stages in ("3", "4"):
-        monkeypatch.setenv(ops.STAGES_ENV, stages)
-        assert ops._plan_decode_mma(problem, num_sms=132).smem_bytes <= 163 * 1024
-    monkeypatch.setenv(ops.DECODE_TILE_ENV, "16")
+        monkeypatch.setenv(settings.STAGES_ENV, stages)
+        assert planner._plan_decode_mma(problem, num_sms=132).smem_bytes <= 163 * 1024
+    monkeypatch.setenv(settings.DECODE_TILE_ENV, "16")
     with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_TILE: expected 64 or 32"):
-        ops.mma_decode_tile()
+        settings.mma_decode_tile()
 
 
-@pytest.mark.parametrize("env,value,field", [(ops.DECODE_SYNC_ENV, "warp", "warp_sync"),
-                                             (ops.DECODE_PREFETCH_ENV, "1", "l2_prefetch")])
+@pytest.mark.parametrize("env,value,field", [(settings.DECODE_SYNC_ENV, "warp", "warp_sync"),
+                                             (settings.DECODE_PREFETCH_ENV, "1", "l2_prefetch")])
 def test_decode_sync_and_prefetch_are_run_time_choices_of_the_same_kernel(
         monkeypatch, env, value, field) -> None:
     """PAGED_KERNELS_CUDA_DECODE_SYNC=warp / _PREFETCH=1 set the plan's warp_sync / l2_prefetch
@@ -409,59 +403,54 @@ def test_decode_sync_and_prefetch_are_run_time_choices_of_the_same_kernel(
 
     problem = _problem(torch.bfloat16, (32, 8), None, head_size=128, block_size=16)
     for tile in ("64", "32"):
-        monkeypatch.setenv(ops.DECODE_TILE_ENV, tile)
+        monkeypatch.setenv(settings.DECODE_TILE_ENV, tile)
         monkeypatch.delenv(env, raising=False)
-        default = ops._plan_decode_mma(problem, num_sms=132)
+        default = planner._plan_decode_mma(problem, num_sms=132)
         monkeypatch.setenv(env, value)
-        chosen = ops._plan_decode_mma(problem, num_sms=132)
+        chosen = planner._plan_decode_mma(problem, num_sms=132)
         assert (getattr(default, field), getattr(chosen, field)) == (0, 1)
         assert dataclasses.replace(chosen, **{field: 0}) == default
-        values = ops.unpack("attn", ops.pack("attn", ops._attn_values(
+        values = params.unpack("attn", params.pack("attn", launch.attn_values(
             problem, chosen, problem.query, problem.key_cache, problem.value_cache, problem.out,
             None)))
         assert values[field] == 1
 
 
 def test_bad_decode_sync_or_prefetch_values_are_refused(monkeypatch) -> None:
-    monkeypatch.setenv(ops.DECODE_SYNC_ENV, "grid")
+    monkeypatch.setenv(settings.DECODE_SYNC_ENV, "grid")
     with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_SYNC: expected 'block' or "
                                          "'warp', got 'grid'"):
-        ops.mma_decode_warp_sync()
-    monkeypatch.setenv(ops.DECODE_PREFETCH_ENV, "yes")
+        settings.mma_decode_warp_sync()
+    monkeypatch.setenv(settings.DECODE_PREFETCH_ENV, "yes")
     with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_DECODE_PREFETCH: expected 0 or 1, "
                                          "got 'yes'"):
-        ops.mma_decode_l2_prefetch()
+        settings.mma_decode_l2_prefetch()
 
 
-@pytest.mark.parametrize("head_size", ops.HEAD_SIZES)
-def test_varlen_plans_the_async_kernel_unless_told(monkeypatch, head_size) -> None:
+@pytest.mark.parametrize("head_size", params.HEAD_SIZES)
+def test_varlen_plans_the_async_kernel(monkeypatch, head_size) -> None:
     """16-bit varlen plans the cp.async-ring kernel (stages 2, 4 warps: 16 tokens x 4 heads per
     block) within sm_80's 163 KiB on every head size; PAGED_KERNELS_CUDA_VARLEN_WARPS=8 doubles
-    its rows (32 tokens); PAGED_KERNELS_CUDA_VARLEN_STAGES=1 plans the synchronous kernel (4
-    warps whatever the warps setting); float32 is unaffected (SIMT)."""
+    its rows (32 tokens); float32 is unaffected (SIMT, whatever the warps setting)."""
     import torch
 
     problem = _problem(torch.float16, (8, 2), [5, 1, 9], head_size=head_size)
-    plan = ops.plan_attention(problem, num_sms=132)
-    bn, pitch = ops.varlen_async_bn(head_size), 2 * (head_size + 8)
-    assert (plan.kernel, plan.stages, plan.threads) == (ops.KERNEL_VARLEN_MMA, 2, 128)
+    plan = planner.plan_attention(problem, num_sms=132)
+    bn, pitch = planner.varlen_async_bn(head_size), 2 * (head_size + 8)
+    assert (plan.kernel, plan.stages, plan.threads) == (params.KERNEL_VARLEN_MMA, 2, 128)
     assert plan.smem_bytes == (4 * bn + (64 if head_size > 128 else 0)) * pitch <= 163 * 1024
     assert (plan.heads_per_cta, plan.q_tile_tokens) == (4, 16)
-    monkeypatch.setenv(ops.VARLEN_WARPS_ENV, "8")
-    wide = ops.plan_attention(problem, num_sms=132)
+    monkeypatch.setenv(settings.VARLEN_WARPS_ENV, "8")
+    wide = planner.plan_attention(problem, num_sms=132)
     assert (wide.stages, wide.threads, wide.q_tile_tokens) == (2, 256, 32)
     assert wide.smem_bytes == (4 * bn + (128 if head_size > 128 else 0)) * pitch <= 163 * 1024
-    monkeypatch.setenv(ops.VARLEN_STAGES_ENV, "1")
-    sync = ops.plan_attention(problem, num_sms=132)
-    assert (sync.stages, sync.threads, sync.q_tile_tokens) == (1, 128, 16)
-    f32 = ops.plan_attention(_problem(torch.float32, (8, 2), [5, 1, 9], head_size=head_size), 132)
-    assert (f32.kernel, f32.stages) == (ops.KERNEL_VARLEN_SIMT, 0)
-    monkeypatch.setenv(ops.VARLEN_STAGES_ENV, "3")
-    with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_VARLEN_STAGES: expected 1 or 2"):
-        ops.varlen_stages()
-    monkeypatch.setenv(ops.VARLEN_WARPS_ENV, "16")
+    f32 = planner.plan_attention(_problem(torch.float32, (8, 2), [5, 1, 9],
+                                          head_size=head_size), 132)
+    assert (f32.kernel, f32.stages, f32.threads, f32.q_tile_tokens) == (
+        params.KERNEL_VARLEN_SIMT, 0, 128, 4)
+    monkeypatch.setenv(settings.VARLEN_WARPS_ENV, "16")
     with pytest.raises(ValueError, match="PAGED_KERNELS_CUDA_VARLEN_WARPS: expected 4 or 8"):
-        ops.varlen_warps()
+        settings.varlen_warps()
 
 
 def _decode_problem(batch: int, context: int, head_size: int = 128, block_size: int = 16):
@@ -481,18 +470,18 @@ def test_decode_mma_partitions_fill_whole_waves(batch, context) -> None:
     split bounds, covering it exactly once, and no other split count within the bounds has
     fewer waves x (keys + fixed cost) on 132 SMs x 3 blocks (head size 128)."""
     problem = _decode_problem(batch, context)
-    plan = ops._plan_decode_mma(problem, num_sms=132)
+    plan = planner._plan_decode_mma(problem, num_sms=132)
     size, splits = plan.partition_size, plan.num_splits
-    assert size % ops.MMA_DECODE_BN == 0 and size <= ops.MAX_PARTITION
-    assert splits <= ops.MAX_SPLITS and (splits - 1) * size < context <= splits * size
+    assert size % planner.MMA_DECODE_BN == 0 and size <= planner.MAX_PARTITION
+    assert splits <= planner.MAX_SPLITS and (splits - 1) * size < context <= splits * size
     slots, ctas = 3 * 132, batch * 8
 
     def cost(size: int) -> int:
         return math.ceil(ctas * math.ceil(context / size) / slots) * (
-            size + ops.MMA_BLOCK_OVERHEAD_KEYS)
+            size + planner.MMA_BLOCK_OVERHEAD_KEYS)
 
-    sizes = {64 * math.ceil(context / (64 * n)) for n in range(1, ops.MAX_SPLITS + 1)}
-    assert cost(size) == min(cost(s) for s in sizes if 64 <= s <= ops.MAX_PARTITION)
+    sizes = {64 * math.ceil(context / (64 * n)) for n in range(1, planner.MAX_SPLITS + 1)}
+    assert cost(size) == min(cost(s) for s in sizes if 64 <= s <= planner.MAX_PARTITION)
     if (batch, context) == (32, 4096):
         assert (size, splits) == (1408, 3)  # 768 blocks: 2 full waves of 396
 
@@ -511,9 +500,9 @@ def test_every_planner_setting_has_a_checked_default() -> None:
     """SETTINGS holds each forcible choice of the planner (every PLAN_ENVS name but the
     partition, which defaults to the wave model), its default is one of its values, and an
     empty variable means the default."""
-    assert set(ops.SETTINGS) == set(ops.PLAN_ENVS) - {ops.PARTITION_ENV}
-    for name, s in ops.SETTINGS.items():
+    assert set(settings.SETTINGS) == set(settings.PLAN_ENVS) - {settings.PARTITION_ENV}
+    for name, s in settings.SETTINGS.items():
         assert s.default in s.values
-        assert ops.setting(name, {}) == ops.setting(name, {name: ""}) == s.default
+        assert settings.setting(name, {}) == settings.setting(name, {name: ""}) == s.default
         for value in s.values:
-            assert ops.setting(name, {name: value}) == value
+            assert settings.setting(name, {name: value}) == value

@@ -129,7 +129,6 @@ OFFSET_KERNELS = {
     "decode-simt": (torch.float32, 1, {}),
     "varlen-async": (torch.float16, 3, {}),
     "varlen-async-8-warps": (torch.float16, 3, {"PAGED_KERNELS_CUDA_VARLEN_WARPS": "8"}),
-    "varlen-sync": (torch.float16, 3, {"PAGED_KERNELS_CUDA_VARLEN_STAGES": "1"}),
 }
 
 
@@ -214,21 +213,19 @@ def test_varlen_long_prefill_many_tiles(dtype):
     check(case, dtype)
 
 
-#: The 16-bit varlen kernels: (PAGED_KERNELS_CUDA_VARLEN_STAGES, PAGED_KERNELS_CUDA_VARLEN_WARPS)
-VARLEN_KERNELS = {"async": ("2", "4"), "async-8-warps": ("2", "8"), "sync": ("1", "4")}
+#: The 16-bit varlen kernel's warps (PAGED_KERNELS_CUDA_VARLEN_WARPS)
+VARLEN_KERNELS = {"async": "4", "async-8-warps": "8"}
 
 
 @pytest.mark.parametrize("kernel,head_size,block_size", [
     ("async", 112, 32), ("async", 128, 24), ("async", 192, 8), ("async-8-warps", 112, 32),
-    ("async-8-warps", 192, 8), ("sync", 128, 24)])
+    ("async-8-warps", 192, 8)])
 def test_varlen_mma_kernels_long_contexts(monkeypatch, kernel, head_size, block_size):
-    """The 16-bit varlen kernels over 3-6 K/V tiles per block (the ring wraps several times;
+    """The 16-bit varlen kernel (4 or 8 warps) over 3-6 K/V tiles per block (the ring wraps several times;
     64-key tiles up to head size 128, 32-key ones above; at 112 a tile is not a whole number of
     passes of 8 warps' copies), a chunk on a cached prefix, a prefill
     longer than one block's rows, decodes, a GQA group of 3, the window and every feature."""
-    stages, warps = VARLEN_KERNELS[kernel]
-    monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_STAGES", stages)
-    monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_WARPS", warps)
+    monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_WARPS", VARLEN_KERNELS[kernel])
     slopes = torch.tensor([2.0 ** (-(h + 1)) for h in range(6)], dtype=torch.float32)
     case = make_case([300, 150, 97, 1], [20, 150, 1, 1], heads=6, kv_heads=2,
                      head_size=head_size, block_size=block_size, dtype=torch.float16,
@@ -249,18 +246,6 @@ def test_varlen_async_masks_at_tile_edges(monkeypatch, warps, window, head_size)
     case = make_case(seq_lens, q_lens, heads=2, kv_heads=1, head_size=head_size, block_size=16,
                      dtype=torch.float16, seed=window or 0)
     check(case, torch.float16, sliding_window=window)
-
-
-def test_varlen_sync_kernel_mixed_batch_and_features(monkeypatch):
-    """The synchronous 16-bit varlen kernel (PAGED_KERNELS_CUDA_VARLEN_STAGES=1), kept to compare
-    with the cp.async one on a GPU, still matches the oracle on the mixed batch."""
-    monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_STAGES", "1")
-    slopes = torch.tensor([2.0 ** (-(h + 1)) for h in range(8)], dtype=torch.float32)
-    for dtype in (torch.float16, torch.bfloat16):
-        case = make_case(*MIXED, heads=8, kv_heads=2, head_size=80, block_size=16,
-                         dtype=dtype, seed=3)
-        check(case, dtype)
-        check(case, dtype, sliding_window=11, soft_cap=3.0, alibi_slopes=slopes, scale=0.2)
 
 
 # ---- features ----
@@ -291,8 +276,8 @@ def test_out_strided_and_only_out_written():
 
 @pytest.mark.parametrize("kind", ["decode-mma-split", "decode-mma-tile32-split",
                                   "decode-mma-warp-sync-split",
-                                  "decode-mma-tile32-warp-sync-split", "decode-simt-split", "varlen-mma", "varlen-mma-8-warps",
-                                  "varlen-mma-sync", "varlen-simt"])
+                                  "decode-mma-tile32-warp-sync-split", "decode-simt-split",
+                                  "varlen-mma", "varlen-mma-8-warps", "varlen-simt"])
 def test_results_bit_identical_under_every_schedule(monkeypatch, kind):
     monkeypatch.setenv("PAGED_KERNELS_CUDA_PARTITION", "32" if kind == "decode-simt-split"
                        else "128")
@@ -300,8 +285,6 @@ def test_results_bit_identical_under_every_schedule(monkeypatch, kind):
         monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_TILE", "32")
     if "warp-sync" in kind:
         monkeypatch.setenv("PAGED_KERNELS_CUDA_DECODE_SYNC", "warp")
-    if kind == "varlen-mma-sync":
-        monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_STAGES", "1")
     if kind == "varlen-mma-8-warps":
         monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_WARPS", "8")
     dtype = torch.float32 if "simt" in kind else torch.bfloat16
@@ -330,18 +313,18 @@ def test_results_bit_identical_under_every_schedule(monkeypatch, kind):
 
 def test_launch_error_is_a_runtime_error():
     """A plan the device would reject (2048 threads) fails in the emulator with its reason."""
-    from cuda.paged_cuda import host_build, ops
+    from cuda.paged_cuda import host_build, launch, params, planner
 
     ext = host_build.host_module()
     case = make_case([5], None, heads=2, kv_heads=1, head_size=64, block_size=16,
                      dtype=torch.float32)
     p = check_attention_args(case.query, case.key_cache, case.value_cache, case.block_tables,
                              case.seq_lens)
-    plan = ops.plan_attention(p, 132)
-    values = ops._attn_values(p, plan, p.query, p.key_cache, p.value_cache, p.out, None)
+    plan = planner.plan_attention(p, 132)
+    values = launch.attn_values(p, plan, p.query, p.key_cache, p.value_cache, p.out, None)
     values["threads"] = 2048
     with pytest.raises(RuntimeError, match="1 to 1024 threads"):
-        ext.paged_attention(ops.pack("attn", values), 0)
+        ext.paged_attention(params.pack("attn", values), 0)
 
 
 # ---- cache operations ----

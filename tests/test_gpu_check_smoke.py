@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import tune_verdict
 from bench.gpu_check import report, tuning
+from cuda.paged_cuda import tune_verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import tune_decode
-from cuda.paged_cuda import ops
+from cuda.paged_cuda import settings
 
 
 def test_parse_variant_reads_backend_and_settings():
@@ -52,14 +52,13 @@ def test_default_variants_and_shapes_parse():
         tune_decode.parse_variant(text)
     assert {"cuda:PAGED_KERNELS_CUDA_DECODE_TILE=32",
             "cuda"} <= set(tune_decode.VARIANTS)
-    assert {"cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=1",
-            "cuda:PAGED_KERNELS_CUDA_VARLEN_WARPS=8"} <= set(tune_decode.PREFILL_VARIANTS)
+    assert {"cuda", "cuda:PAGED_KERNELS_CUDA_VARLEN_WARPS=8"} <= set(tune_decode.PREFILL_VARIANTS)
 
 
 @pytest.mark.parametrize("text,match", [
     ("cuda:PAGED_KERNELS_CUDA_DECODE=simt", "not a setting of the CUDA planner"),
     ("cuda:PAGED_KERNELS_CUDA_DECODE_TILE=48", "expected 64 or 32"),
-    ("cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=3", "expected 1 or 2"),
+    ("cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=1", "not a setting of the CUDA planner"),
     ("cuda:PAGED_KERNELS_CUDA_VARLEN_WARPS=2", "expected 4 or 8"),
     ("cuda:PAGED_KERNELS_CUDA_PARTITION=100", "multiple of 16")])
 def test_cuda_settings_are_checked_before_timing(text, match):
@@ -80,7 +79,7 @@ def test_parse_shape_decode_and_prefill():
 @pytest.mark.parametrize("args,flag", [
     (["--prefill-shapes", "32x4096"], "--prefill-shapes"),
     (["--shapes", "1x4096x4096"], "--shapes"),
-    (["--prefill-variants", "cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=0"], "--prefill-variants")])
+    (["--prefill-variants", "cuda:PAGED_KERNELS_CUDA_VARLEN_WARPS=0"], "--prefill-variants")])
 def test_bad_prefill_arguments_are_refused_before_any_timing(args, flag, capsys):
     with pytest.raises(SystemExit):
         tune_decode.main(args)
@@ -91,7 +90,7 @@ def test_run_sets_each_variants_settings_for_its_own_timing(monkeypatch):
     """`run` on the CPU with backend "cuda-host" standing in for the GPU (timing replaced by one
     call): every variant is timed with its own settings in the environment and nobody else's,
     each row has the metrics and SDPA ratio, and the emulated kernels' outputs under each
-    variant agree with SDPA (decode with 32-key tiles, prefill on both varlen kernels)."""
+    variant agree with SDPA (decode with 32-key tiles, prefill with 4 and 8 varlen warps)."""
     pytest.importorskip("triton")  # `applied` imports the triton heuristic's module
     import paged_kernels as pk
 
@@ -111,19 +110,17 @@ def test_run_sets_each_variants_settings_for_its_own_timing(monkeypatch):
 
     monkeypatch.setattr(kernels, "graph_seconds", one_call)
     monkeypatch.setattr(tune_decode, "copy_bandwidth", lambda device: {"copy_GBps": 100.0})
-    for name in ops.PLAN_ENVS:
+    for name in settings.PLAN_ENVS:
         monkeypatch.delenv(name, raising=False)
     small = {"num_heads": 8, "num_kv_heads": 2, "head_size": 64}
     shapes = [kernels.Shape("decode", 2, 200, **small),
               kernels.Shape("prefill", 1, 96, 80, **small)]
     variants = ["cuda-host", "cuda-host:PAGED_KERNELS_CUDA_DECODE_TILE=32",
-                "cuda-host:PAGED_KERNELS_CUDA_VARLEN_WARPS=8",
-                "cuda-host:PAGED_KERNELS_CUDA_VARLEN_STAGES=1"]
+                "cuda-host:PAGED_KERNELS_CUDA_VARLEN_WARPS=8"]
     rows = tune_decode.run(variants, shapes, repeat=1)
     assert [r["variant"] for r in rows] == [kernels.SDPA, *variants] * 2
     assert seen == [{}, {}, {"PAGED_KERNELS_CUDA_DECODE_TILE": "32"},
-                    {"PAGED_KERNELS_CUDA_VARLEN_WARPS": "8"},
-                    {"PAGED_KERNELS_CUDA_VARLEN_STAGES": "1"}] * 2
+                    {"PAGED_KERNELS_CUDA_VARLEN_WARPS": "8"}] * 2
     for r in rows:
         assert "error" not in r, r
         assert r["us"] == pytest.approx(1000.0) and r["x_sdpa"] == pytest.approx(1.0)

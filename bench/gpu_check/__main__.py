@@ -8,9 +8,9 @@ copy bandwidth and matmul rate, then decode at the headline shapes (batch 1/32/1
 1k/4k/16k, head size 128, 32 query heads over 8 KV heads, bf16), prefill, a mixed batch and
 write_kv per fast backend, next to SDPA on contiguous K/V; 5. FlexAttention over the paged cache;
 6. bench.tune_decode: the CUDA planner's opt-in settings timed next to the defaults, and the rule
-of bench/tune_verdict.py applied (tuning.py); 7. each of those settings' native conformance and
-the CUDA-graph custom-op test; 8. report.md, report.json, kernels.json and the GB/s plot, the
-report ending in a short table.
+of cuda/paged_cuda/tune_verdict.py applied (tuning.py); 7. each of those settings' native
+conformance and the CUDA-graph custom-op test; 8. report.md, report.json, kernels.json and the
+GB/s plot, the report ending in a short table.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 
-from bench import tune_verdict
+from cuda.paged_cuda import tune_verdict
 
 BACKEND_ID = re.compile(r"[\[-](cuda-host|cuda|triton|reference)(?=[-\]])")
 OUTCOME = re.compile(r"(\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
@@ -126,7 +126,7 @@ def _tuning_sections(result: dict) -> list[str]:
             v = tune["verdict"]
             out += [f"rc {tune['rc']} in {tune['seconds']} s, {len(tune['rows'])} rows (log: "
                     "tune.log)", "", *_tune_table(tune["rows"]), "",
-                    "The rule (bench/tune_verdict.py):", "",
+                    "The rule (cuda/paged_cuda/tune_verdict.py):", "",
                     *[f"- {line}" for line in v["why"] + v["alarms"]], ""]
     settings = result.get("settings")
     if settings is not None:
@@ -159,7 +159,8 @@ def markdown(result: dict) -> str:
     conf = result.get("conformance")
     if conf is not None:
         out += ["## Conformance (native)", "",
-                "| backend | passed | failed | skipped | error |", "| --- | --- | --- | --- | --- |"]
+                "| backend | passed | failed | skipped | error |",
+                "| --- | --- | --- | --- | --- |"]
         for name, c in conf["by_backend"].items():
             out.append(f"| {name} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
                        f"{c.get('skipped', 0)} | {c.get('error', 0)} |")

@@ -6,7 +6,7 @@ so one call both measures the defaults and says which settings should replace th
   settings: the others). Forced partitions are left out: they change no kernel.
 - `graph_test`: tests/test_custom_ops.py's CUDA-graph capture and replay.
 - `tune`: `python -m bench.tune_decode`, cut at its deadline with the rows timed so far kept,
-  then the rule of bench/tune_verdict.py over them.
+  then the rule of cuda/paged_cuda/tune_verdict.py over them.
 
 All three append to logs in OUT (`settings.log`, `tune.log`) and return JSON-ready dicts. In the
 CPU smoke run the conformance steps run the `cuda-host` backend (the kernels' own source on the
@@ -22,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import tune_verdict
 from bench.gpu_check.logged import run_logged
+from cuda.paged_cuda import tune_verdict
+from cuda.paged_cuda.settings import PARTITION_ENV
 
 SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 #: What a step needs at least; with less time left before the deadline it is skipped.
@@ -37,7 +38,7 @@ def planner_settings() -> list[dict[str, str]]:
     found: list[dict[str, str]] = []
     for text in [*VARIANTS, *PREFILL_VARIANTS]:
         backend, settings = parse_variant(text)
-        settings = {k: v for k, v in settings.items() if k != tune_verdict.PARTITION}
+        settings = {k: v for k, v in settings.items() if k != PARTITION_ENV}
         if backend == "cuda" and settings and settings not in found:
             found.append(settings)
     return found

@@ -2,7 +2,7 @@
 //
 // Built as `_pk_cuda` (nvcc objects, GPU) or `_pk_cuda_host` (g++ -DPK_HOST_EMULATION); the
 // module name comes from PK_MODULE_NAME. Parameters arrive as the packed bytes of the structs in
-// pk_ops.h (ops.py packs them); `fields(name)` returns the field names and kinds of a struct so
+// pk_ops.h (params.py packs them); `fields(name)` returns the field names and kinds of a struct so
 // the Python side can check its packing against this build.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -1,6 +1,6 @@
 // pk_cache.cuh: the cache operations. Both kernels move bytes, not elements: a row is one KV
 // head's `row_bytes` contiguous bytes, copied in units of U (uint4, uint2, uint32_t or uint16_t,
-// the widest the alignment of every address allows; ops.py picks it). Strides are in bytes.
+// the widest the alignment of every address allows; launch.py picks it). Strides are in bytes.
 //
 // pk_write_kv_kernel<U>
 //   Grid: (num_tokens); `threads` threads. One block owns one token: its num_kv_heads key rows

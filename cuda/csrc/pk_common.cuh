@@ -33,7 +33,7 @@ template <typename T> struct PkVec {
   static constexpr int N = 16 / static_cast<int>(sizeof(T));
 };
 
-// Raw 16-byte load; `ptr` must be 16-byte aligned (ops.py guarantees it for every tensor row).
+// Raw 16-byte load; `ptr` must be 16-byte aligned (launch.py guarantees it for every tensor row).
 template <typename T>
 __device__ __forceinline__ uint4 pk_load16(const T* ptr) {
   return __ldg(reinterpret_cast<const uint4*>(ptr));

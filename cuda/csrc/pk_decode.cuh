@@ -14,10 +14,10 @@
 //   Phases: (1) scores of every key of the partition for every head into shared memory,
 //   (2) per-head max and exp-sum (one warp per head), (3) P*V with each thread owning VEC
 //   elements of head_size for its tokens, then a shuffle + shared-memory reduction.
-//   Invariants: rows of q/k/v/out are 16-byte aligned and HEAD_SIZE % VEC == 0 (ops.py checks);
+//   Invariants: rows of q/k/v/out are 16-byte aligned and HEAD_SIZE % VEC == 0 (launch.py checks);
 //   no key at a position >= seq_len is ever loaded (cache slots past it may hold NaN);
 //   block-table entries past ceil(seq_len / block_size) are never read; cache offsets are int64.
-//   Dynamic shared memory (planned in ops.py `plan_attention`):
+//   Dynamic shared memory (planned in planner.py `_plan_decode_simt`):
 //   max(partition_size * GROUP_TILE, 4 * GROUP_TILE * HEAD_SIZE) floats for scores / the final
 //   reduction, then partition_size / block_size + 2 ints for the partition's block ids.
 //

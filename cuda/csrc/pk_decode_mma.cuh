@@ -6,7 +6,7 @@
 //   M = 16 rows of every mma; chunk `blockIdx.x % num_head_chunks`, rows past the group are
 //   zeros), and one partition of `partition_size` keys of the visible context [ctx_start,
 //   seq_len), walked in tiles of BN = 16 * WARPS keys (64 or 32); warp w owns keys 16w..16w+15
-//   of every tile. WARPS is the plan's choice (ops.py, PAGED_KERNELS_CUDA_DECODE_TILE): 2 warps
+//   of every tile. WARPS is the plan's choice (planner.py, PAGED_KERNELS_CUDA_DECODE_TILE): 2 warps
 //   and 32-key tiles halve a block's shared memory, so twice as many blocks fit on an SM (6
 //   instead of 3 at head size 128 on an H100/H200) with the same registers per thread.
 //   Bytes moved: every K and V row of the partition once (cp.async, 16 bytes per copy, a ring of
@@ -23,13 +23,13 @@
 //   rows alone at __syncwarp (1): no block barrier in the key loop, and the warps of a block
 //   drift apart as their loads land (the block meets again only for the merge). The copies,
 //   the bytes and the shared memory are the same in both.
-//   Invariants: rows of q/k/v/out are 16-byte aligned (ops.py checks); no key at a position
+//   Invariants: rows of q/k/v/out are 16-byte aligned (launch.py checks); no key at a position
 //   >= seq_len is ever read: rows past the partition are zero-filled by cp.async without a load
 //   (cache slots past seq_len may hold NaN); block-table entries past ceil(seq_len / block_size)
 //   are never read; cache offsets are int64. Each row's K/V offsets are computed once, by lane
 //   `row % 16` of the warp that owns the row, an iteration before its copies are issued (so
 //   issuing a copy is a shared-memory read, not a block-table walk per 16 bytes).
-//   Dynamic shared memory (planned in ops.py `_mma_decode_smem`): K and V rings [stages][BN][DP]
+//   Dynamic shared memory (planner.py `_mma_decode_smem`): K and V rings [stages][BN][DP]
 //   (T, DP = HEAD_SIZE + 8: ldmatrix rows fall in distinct banks), the rings' row offsets
 //   [stages][BN] (PkRowOffsets), and Q [16][DP]: up to head size 128 Q lives in the K ring's
 //   last slot (its fragments go to registers before that slot's first copy is issued, in the
@@ -116,14 +116,14 @@ pk_decode_mma_kernel(const PkAttnParams p) {
   constexpr int DT = D / 8;   // n-tiles of O
   constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
   static_assert(D % 16 == 0, "the mma path needs head_size % 16 == 0");
-  static_assert(WARPS == 2 || WARPS == 4, "2 or 4 warps (ops.py plans one of them)");
+  static_assert(WARPS == 2 || WARPS == 4, "2 or 4 warps (planner.py plans one of them)");
   static_assert(M <= BN, "Q fits in one ring slot");
   // The Q fragments (A operand of S = Q K^T). Up to head size 128 every k-slice stays in
   // registers; above it they are reloaded per tile (keeping them would cost 48-64 more registers
   // per thread, about 250 in all at head size 256).
   constexpr bool Q_IN_REGS = D <= 128;
   extern __shared__ float4 pk_smem4[];
-  const int stages = static_cast<int>(p.stages);  // 2..PK_DECODE_MMA_MAX_STAGES (ops.py)
+  const int stages = static_cast<int>(p.stages);  // 2..PK_DECODE_MMA_MAX_STAGES (planner.py)
   T* ks = reinterpret_cast<T*>(pk_smem4);  // [stages][BN][DP]
   T* vs = ks + stages * BN * DP;           // [stages][BN][DP]
   auto* s_off = reinterpret_cast<PkRowOffsets*>(vs + stages * BN * DP);  // [stages][BN]

@@ -1,9 +1,10 @@
 // pk_launch.cuh: the launchers' template dispatch (host code; not read by NVRTC).
 //
 // The plan (kernel, template arguments, grid, threads, shared memory, splits) arrives in the
-// params struct from cuda/paged_cuda/ops.py; these functions only map its runtime values to the
-// compiled template instantiations and launch. Each dtype's attention kernels are instantiated in
-// their own translation unit (pk_attention_<dtype>.cu) so nvcc compiles them in parallel.
+// params struct from cuda/paged_cuda/planner.py; these functions only map its runtime values to
+// the compiled template instantiations and launch. Each dtype's attention kernels are
+// instantiated in their own translation unit (pk_attention_<dtype>.cu) so nvcc compiles them in
+// parallel.
 //
 // PK_HEAD_SIZES(X) lists the compiled head sizes. Defining PK_REDUCED_HEAD_SIZES (the compile
 // check's fast mode) or PK_HOST_INSTANTIATIONS (the host build's reduced set) compiles only 64 and
@@ -79,9 +80,22 @@ const char* pk_launch_decode_group(const PkAttnParams& p, void* stream) {
   }
 }
 
-// The varlen kernels of element type T: the mma kernel for 16-bit types, SIMT for float32.
+// The varlen kernels: the cp.async-ring mma kernel for 16-bit types (the plan's thread count
+// picks its warps), the SIMT kernel for float32.
 template <typename T, int D>
-const char* pk_launch_varlen(const PkAttnParams& p, void* stream);
+const char* pk_launch_varlen(const PkAttnParams& p, void* stream) {
+  if constexpr (sizeof(T) == 2) {
+    if (p.kernel != PK_KERNEL_VARLEN_MMA) return "varlen: 16-bit types run the mma kernel only";
+    switch (p.threads) {
+      case 128: return pk_launch_one(&pk_varlen_mma_async_kernel<T, D, 4>, p, stream);
+      case 256: return pk_launch_one(&pk_varlen_mma_async_kernel<T, D, 8>, p, stream);
+      default: return "varlen: the mma kernel runs 128 or 256 threads (4 or 8 warps)";
+    }
+  } else {
+    if (p.kernel != PK_KERNEL_VARLEN_SIMT) return "varlen: float32 runs the SIMT kernel only";
+    return pk_launch_one(&pk_varlen_simt_kernel<T, D>, p, stream);
+  }
+}
 
 template <typename T, int D>
 const char* pk_launch_attention_d(const PkAttnParams& p, void* stream) {

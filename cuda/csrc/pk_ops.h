@@ -6,11 +6,12 @@
 // so the run-time (NVRTC) path packs them in Python and launches the kernels directly.
 //
 // Layout rule (so Python can pack them without a compiler): every field is 8 bytes: pointers,
-// `int64_t` or `double`, in the order of the X-macro lists below. `cuda/paged_cuda/ops.py` mirrors
-// these lists; the bindings expose them (`fields()`) and the loader checks they agree.
+// `int64_t` or `double`, in the order of the X-macro lists below. `cuda/paged_cuda/params.py`
+// reads these lists; the bindings expose them (`fields()`) and the loader checks they agree.
 //
 // Planning (which kernel, grid, threads, shared memory, split count, workspace) happens in ONE
-// place, `cuda/paged_cuda/ops.py`; the launchers only dispatch on the plan's template arguments.
+// place, `cuda/paged_cuda/planner.py`; the launchers only dispatch on the plan's template
+// arguments.
 #pragma once
 #if !defined(__CUDACC_RTC__)  // NVRTC: pk_platform.cuh declares the integer types
 #include <cstddef>
@@ -69,8 +70,8 @@ enum PkDtype : int64_t { PK_FLOAT32 = 0, PK_FLOAT16 = 1, PK_BFLOAT16 = 2 };
 // Values of PkAttnParams::kernel.
 enum PkAttnKernel : int64_t {
   PK_KERNEL_DECODE = 0,       // pk_decode_kernel (+ pk_decode_reduce_kernel when num_splits > 1)
-  PK_KERNEL_VARLEN_MMA = 1,   // pk_varlen_mma_kernel (f16/bf16 tensor cores)
-  PK_KERNEL_VARLEN_SIMT = 2,  // pk_varlen_simt_kernel (any dtype, float32 accumulate)
+  PK_KERNEL_VARLEN_MMA = 1,   // pk_varlen_mma_async_kernel (f16/bf16 tensor cores)
+  PK_KERNEL_VARLEN_SIMT = 2,  // pk_varlen_simt_kernel (float32)
   PK_KERNEL_DECODE_MMA = 3,   // pk_decode_mma_kernel (f16/bf16) (+ the decode reduce kernel)
 };
 

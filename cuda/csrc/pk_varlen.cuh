@@ -17,11 +17,11 @@
 //   softmax; keys at positions >= the tile's last query position + 1 are never loaded (zeros
 //   instead), so NaN in unused cache slots cannot reach the result; block-table entries past
 //   those positions are never read; offsets are int64; rows of q/k/v/out are 16-byte aligned
-//   (ops.py).
+//   (launch.py).
 //
-// pk_varlen_mma_async_kernel<T = __half | __nv_bfloat16, HEAD_SIZE, WARPS = 4 | 8> (the default
-//   for 16-bit types; plan stages = 2, threads = 32 * WARPS): WARPS warps x 16 rows (64 or 128
-//   rows; 8 warps halve the K/V tile loads per query row, PAGED_KERNELS_CUDA_VARLEN_WARPS=8).
+// pk_varlen_mma_async_kernel<T = __half | __nv_bfloat16, HEAD_SIZE, WARPS = 4 | 8> (16-bit
+//   types; plan stages = 2, threads = 32 * WARPS): WARPS warps x 16 rows (64 rows by default, or
+//   128: 8 warps halve the K/V tile loads per query row, PAGED_KERNELS_CUDA_VARLEN_WARPS=8).
 //   K/V tiles of BN = 64 keys (32 above head size 128) come through the block table with
 //   16-byte cp.async copies into a ring of 2 slots: the next tile is in flight while the current
 //   one is used. S = Q K^T and O += P V with mma.m16n8k16, operands through ldmatrix (V
@@ -29,31 +29,27 @@
 //   lane holds rows g and g + 8 of its warp's 16); float32 accumulation. Tiles every row of the
 //   block sees whole skip the per-key masks. Tile x of the grid is tile gridDim.x - 1 - x of the
 //   list above (longest blocks first).
-//   Shared memory (ops.py `_varlen_async_smem`): the ring [2][K, V][BN][DP] (T, DP = HEAD_SIZE +
-//   8; a slot's K and V are adjacent), and Q [16 * WARPS][DP]: up to head size 128 in slot 1
-//   (its fragments go to registers before that slot's first copy, which is issued after a
-//   barrier), else after the ring (reloaded per tile).
-// pk_varlen_mma_kernel<T = __half | __nv_bfloat16, HEAD_SIZE> (plan stages = 1,
-//   PAGED_KERNELS_CUDA_VARLEN_STAGES=1; the kernel before the ring, kept to compare): the same
-//   rows; K/V tiles of PK_VARLEN_BN keys loaded synchronously (V stored transposed), operands
-//   read from shared memory 32 bits at a time.
-//   Shared memory: Q [64][HEAD_SIZE + 8], K [BN][HEAD_SIZE + 8], V^T [HEAD_SIZE][BN + 8] (T).
-// pk_varlen_simt_kernel<T, HEAD_SIZE>: 4 warps x 4 rows (16 rows), lane j <-> key j of a
-//   PK_VARLEN_BN-key tile, float32 everywhere (the float32 path). Shared memory: Q
-//   [16][HEAD_SIZE], K [BN][HEAD_SIZE + 1], V [BN][HEAD_SIZE] (float).
+//   Shared memory (planner.py `_varlen_async_smem`): the ring [2][K, V][BN][DP] (T,
+//   DP = HEAD_SIZE + 8; a slot's K and V are adjacent), and Q [16 * WARPS][DP]: up to head size
+//   128 in slot 1 (its fragments go to registers before that slot's first copy, which is issued
+//   after a barrier), else after the ring (reloaded per tile).
+// pk_varlen_simt_kernel<T, HEAD_SIZE> (float32; plan stages = 0, 128 threads): 4 warps x 4 rows
+//   (16 rows), lane j <-> key j of a PK_VARLEN_SIMT_BN-key tile loaded synchronously, float32
+//   everywhere. Shared memory: Q [16][HEAD_SIZE], K [BN][HEAD_SIZE + 1], V [BN][HEAD_SIZE]
+//   (float).
 #pragma once
 #include "pk_common.cuh"
 #include "pk_cp_async.cuh"
 #include "pk_mma.cuh"
 #include "pk_ops.h"
 
+// The SIMT kernel (planner.py SIMT_ROWS, SIMT_BN mirror these).
 constexpr int PK_VARLEN_THREADS = 128;
-constexpr int PK_VARLEN_BN = 32;         // keys per K/V tile (both kernels)
-constexpr int PK_VARLEN_MMA_ROWS = 64;   // rows per block of the mma kernel
-constexpr int PK_VARLEN_SIMT_ROWS = 16;  // rows per block of the SIMT kernel
+constexpr int PK_VARLEN_SIMT_BN = 32;    // keys per K/V tile
+constexpr int PK_VARLEN_SIMT_ROWS = 16;  // rows per block
 constexpr int PK_VARLEN_SIMT_RPW = PK_VARLEN_SIMT_ROWS / 4;  // rows per warp
 
-// Keys per K/V tile of pk_varlen_mma_async_kernel (ops.py `varlen_async_bn` mirrors it): 64, or
+// Keys per K/V tile of pk_varlen_mma_async_kernel (planner.py `varlen_async_bn` mirrors it): 64, or
 // 32 above head size 128 so the ring and Q stay under sm_80's 163 KiB of shared memory.
 __host__ __device__ constexpr int pk_varlen_async_bn(int head_size) {
   return head_size <= 128 ? 64 : 32;
@@ -131,7 +127,7 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
   constexpr bool Q_IN_REGS = D <= 128;
   constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
   static_assert(D % 16 == 0, "mma path needs head_size % 16 == 0");
-  static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps (ops.py plans one of them)");
+  static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps (planner.py plans one of them)");
   static_assert(!Q_IN_REGS || ROWS <= 2 * BN, "Q fits in one ring slot");
   extern __shared__ float4 pk_smem4[];
   T* ring = reinterpret_cast<T*>(pk_smem4);                   // [2][K, V][BN][DP]
@@ -328,179 +324,8 @@ pk_varlen_mma_async_kernel(const PkAttnParams p) {
 // ------------------------------------------------------------------------------------------
 template <typename T, int HEAD_SIZE>
 __global__ void __launch_bounds__(PK_VARLEN_THREADS, 1)
-pk_varlen_mma_kernel(const PkAttnParams p) {
-  constexpr int BN = PK_VARLEN_BN, D = HEAD_SIZE, DP = D + 8, BNP = BN + 8;
-  constexpr int VEC = PkVec<T>::N, NVEC = D / VEC;
-  constexpr int KS = D / 16;        // k-slices of Q K^T
-  constexpr int NT = BN / 8;        // n-tiles of S
-  constexpr int DT = D / 8;         // n-tiles of O
-  static_assert(D % 16 == 0, "mma path needs head_size % 16 == 0");
-  extern __shared__ float4 pk_smem4[];
-  T* qs = reinterpret_cast<T*>(pk_smem4);  // [64][DP]
-  T* ks = qs + PK_VARLEN_MMA_ROWS * DP;    // [BN][DP]
-  T* vt = ks + BN * DP;                    // [D][BNP]
-
-  PkVarlenTile t;
-  if (!pk_varlen_locate(p, blockIdx.x, t)) return;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int g = lane / 4, tq = lane % 4;
-  const int block_size = static_cast<int>(p.block_size);
-  const float scale = static_cast<float>(p.scale), soft_cap = static_cast<float>(p.soft_cap);
-
-  // Q tile -> shared memory (rows past the tile or the group are zeros).
-  for (int idx = threadIdx.x; idx < PK_VARLEN_MMA_ROWS * NVEC; idx += PK_VARLEN_THREADS) {
-    const int r = idx / NVEC, v = idx % NVEC;
-    const uint4 raw = pk_varlen_q_piece<T, VEC>(p, t, r, v);
-    *reinterpret_cast<uint4*>(qs + r * DP + v * VEC) = raw;
-  }
-
-  // This lane's two rows (g and g + 8 of the warp's 16).
-  int64_t row_pos[2];
-  bool row_ok[2];
-  float slope[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int r = warp * 16 + g + hr * 8;
-    const int tok = r / t.hc, h = r % t.hc;
-    row_ok[hr] = tok < t.ntok && h < t.nh;
-    row_pos[hr] = t.pos_lo + tok;
-    slope[hr] = (row_ok[hr] && p.alibi_slopes != nullptr)
-                    ? __ldg(static_cast<const float*>(p.alibi_slopes) + t.head0 + h) : 0.f;
-  }
-
-  float o[DT][4];
-#pragma unroll
-  for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
-  const PkBlockMap bmap(static_cast<const int32_t*>(p.block_tables) + t.seq * p.bt_stride,
-                        block_size);
-  const T* kbase = static_cast<const T*>(p.k_cache) + t.kvh * p.k_stride_head;
-  const T* vbase = static_cast<const T*>(p.v_cache) + t.kvh * p.v_stride_head;
-
-  for (int64_t kv0 = t.kv_lo; kv0 < t.kv_end; kv0 += BN) {
-    __syncthreads();  // the previous tile is consumed (and Q is stored, first time)
-    for (int idx = threadIdx.x; idx < BN * NVEC; idx += PK_VARLEN_THREADS) {
-      const int j = idx / NVEC, v = idx % NVEC;
-      const int64_t kv = kv0 + j;
-      uint4 kraw = make_uint4(0u, 0u, 0u, 0u), vraw = kraw;
-      if (kv < t.kv_end) {
-        const int pos = static_cast<int>(kv);
-        kraw = pk_load16(kbase + bmap.offset(pos, p.k_stride_block, p.k_stride_slot) + v * VEC);
-        vraw = pk_load16(vbase + bmap.offset(pos, p.v_stride_block, p.v_stride_slot) + v * VEC);
-      }
-      *reinterpret_cast<uint4*>(ks + j * DP + v * VEC) = kraw;
-      const T* ve = reinterpret_cast<const T*>(&vraw);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) vt[(v * VEC + e) * BNP + j] = ve[e];
-    }
-    __syncthreads();
-
-    // S = Q K^T for this warp's 16 rows.
-    float s[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-      uint32_t a[4];
-      const T* q0 = qs + (warp * 16 + g) * DP + kk * 16 + 2 * tq;
-      a[0] = *reinterpret_cast<const uint32_t*>(q0);
-      a[1] = *reinterpret_cast<const uint32_t*>(q0 + 8 * DP);
-      a[2] = *reinterpret_cast<const uint32_t*>(q0 + 8);
-      a[3] = *reinterpret_cast<const uint32_t*>(q0 + 8 * DP + 8);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t b[2];
-        const T* k0 = ks + (nt * 8 + g) * DP + kk * 16 + 2 * tq;
-        b[0] = *reinterpret_cast<const uint32_t*>(k0);
-        b[1] = *reinterpret_cast<const uint32_t*>(k0 + 8);
-        PkMma<T>::run(s[nt], a, b, s[nt]);
-      }
-    }
-
-    // Scale, transform, mask; online softmax per row.
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int hr = c / 2;
-        const int64_t kv = kv0 + nt * 8 + 2 * tq + (c % 2);
-        float x = -INFINITY;
-        if (row_ok[hr] && kv < t.kv_end && pk_visible(kv, row_pos[hr], p.sliding_window))
-          x = pk_transform_score(s[nt][c] * scale, soft_cap, slope[hr], kv, row_pos[hr]);
-        s[nt][c] = x;
-        tile_max[hr] = fmaxf(tile_max[hr], x);
-      }
-    float alpha[2];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      float mx = pk_group_max<4>(tile_max[hr]);
-      const float m_new = fmaxf(m[hr], mx);
-      alpha[hr] = m_new == -INFINITY ? 1.f : pk_exp_shifted(m[hr], m_new);
-      m[hr] = m_new;
-    }
-    float rowsum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float e = pk_exp_shifted(s[nt][c], m[c / 2]);
-        s[nt][c] = e;
-        rowsum[c / 2] += e;
-      }
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) l[hr] = l[hr] * alpha[hr] + rowsum[hr];
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0];
-      o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
-    }
-
-    // O += P V (P's accumulator fragments are the A operand's layout).
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = pk_pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pk_pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pk_pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pk_pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        uint32_t b[2];
-        const T* v0 = vt + (dt * 8 + g) * BNP + kk * 16 + 2 * tq;
-        b[0] = *reinterpret_cast<const uint32_t*>(v0);
-        b[1] = *reinterpret_cast<const uint32_t*>(v0 + 8);
-        PkMma<T>::run(o[dt], a, b, o[dt]);
-      }
-    }
-  }
-
-  // Normalise and write this lane's elements of rows g and g + 8.
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const float lsum = pk_group_sum<4>(l[hr]);
-    if (!row_ok[hr]) continue;
-    const int r = warp * 16 + g + hr * 8;
-    const int64_t tok = t.tok0 + r / t.hc;
-    const int head = t.head0 + r % t.hc;
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-    T* out = static_cast<T*>(p.out) + tok * p.o_stride_token + head * p.o_stride_head;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      const int d = dt * 8 + 2 * tq;
-      out[d] = pk_from_float<T>(o[dt][2 * hr] * inv);
-      out[d + 1] = pk_from_float<T>(o[dt][2 * hr + 1] * inv);
-    }
-    if (tq == 0) pk_write_lse(p, tok, head, m[hr], lsum);
-  }
-}
-
-// ------------------------------------------------------------------------------------------
-template <typename T, int HEAD_SIZE>
-__global__ void __launch_bounds__(PK_VARLEN_THREADS, 1)
 pk_varlen_simt_kernel(const PkAttnParams p) {
-  constexpr int BN = PK_VARLEN_BN, D = HEAD_SIZE, KP = D + 1, RPW = PK_VARLEN_SIMT_RPW;
+  constexpr int BN = PK_VARLEN_SIMT_BN, D = HEAD_SIZE, KP = D + 1, RPW = PK_VARLEN_SIMT_RPW;
   constexpr int VEC = PkVec<T>::N, NVEC = D / VEC;
   constexpr int DPL = (D + 31) / 32;  // output elements per lane and row
   static_assert(BN == 32, "lane j holds key j of the tile");

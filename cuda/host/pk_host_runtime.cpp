@@ -429,7 +429,7 @@ cudaError_t check_config(Worker& w, const void* kernel, dim3 grid, dim3 block, s
 }
 
 // Bytes past a launch's dynamic shared memory that are poisoned as well and must be unchanged
-// when a block ends: a kernel whose layout outgrows the size its planner gave (ops.py) reads NaN
+// when a block ends: a kernel whose layout outgrows the size planner.py gave reads NaN
 // there, and a write there fails the launch (on a GPU it would touch another block's memory or
 // fault).
 constexpr size_t kSmemGuard = 4096;

@@ -1,7 +1,7 @@
 """The "cuda" backend: the CUDA C++ kernels of cuda/csrc on an NVIDIA GPU.
 
 Launchers come from `loader.load_launchers()` (built extension, else NVRTC through CuPy); every
-call goes through `ops.py`, which plans the launch on the host without synchronising (CUDA-graph
+call goes through launch.py, which plans the launch on the host without synchronising (CUDA-graph
 safe for paged_attention and write_kv). The factory raises BackendUnavailable when torch has no
 CUDA device, so on a CPU-only machine the backend is simply absent.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cuda.paged_cuda import ops
+from cuda.paged_cuda import launch
 from paged_kernels.abi import AttentionProblem, Support
 from paged_kernels.backends import Backend, BackendUnavailable
 
@@ -34,7 +34,7 @@ class CudaBackend(Backend):
     priority = 20
     block_ops = ("own kernel (pk_copy_blocks_kernel, cuda/csrc/pk_cache.cuh); host <-> device "
                  "swaps: one copy per block")
-    _support = ops.support(("cuda",))
+    _support = launch.support(("cuda",))
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
@@ -53,28 +53,29 @@ class CudaBackend(Backend):
     def paged_attention(self, problem: AttentionProblem) -> None:
         device = problem.query.device
         with torch.cuda.device(device):
-            ops.paged_attention(self._ext, problem, _stream(device), _num_sms(device.index or 0))
+            launch.paged_attention(self._ext, problem, _stream(device), _num_sms(device.index or 0))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         with torch.cuda.device(key_cache.device):
-            ops.write_kv(self._ext, key, value, key_cache, value_cache, slot_mapping,
+            launch.write_kv(self._ext, key, value, key_cache, value_cache, slot_mapping,
                          _stream(key_cache.device))
 
     def copy_blocks(self, key_caches: Sequence[torch.Tensor],
                     value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
         device = key_caches[0].device
         with torch.cuda.device(device):
-            ops.copy_blocks(self._ext, key_caches, value_caches, block_mapping, _stream(device))
+            launch.copy_blocks(self._ext, key_caches, value_caches, block_mapping, _stream(device))
 
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor,
                     block_mapping: torch.Tensor) -> None:
         if src.device == dst.device and src.is_cuda:
             with torch.cuda.device(src.device):
-                ops.swap_blocks_on_device(self._ext, src, dst, block_mapping, _stream(src.device))
+                launch.swap_blocks_on_device(self._ext, src, dst, block_mapping,
+                                             _stream(src.device))
             return
         # Host <-> device: one asynchronous copy per block (cudaMemcpyAsync underneath; pinned
         # host memory makes it truly asynchronous).
-        ops.check_swap_ids(src, dst, block_mapping)
+        launch.check_swap_ids(src, dst, block_mapping)
         for s, d in block_mapping.tolist():
             dst[d].copy_(src[s], non_blocking=True)

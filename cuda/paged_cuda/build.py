@@ -36,8 +36,7 @@ DEFAULT_ARCHS = ("80", "90")
 NVCC_FLAGS = ("-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
               "--expt-relaxed-constexpr")
 #: Kernels whose spills fail the compile check (the bandwidth-bound hot paths).
-HOT_KERNELS = ("pk_decode_kernel", "pk_decode_mma_kernel", "pk_varlen_mma_kernel",
-               "pk_varlen_mma_async_kernel",
+HOT_KERNELS = ("pk_decode_kernel", "pk_decode_mma_kernel", "pk_varlen_mma_async_kernel",
                "pk_varlen_simt_kernel")
 
 

@@ -1,7 +1,7 @@
 """Backend "cuda-host": the CUDA backend's own kernel sources, run on the CPU by the emulator.
 
 The kernels in cuda/csrc are compiled as host C++ over cuda/host/ (see host_build.py) into
-`_pk_cuda_host` and driven through the same adapter as the GPU backend (`ops.py`: the same
+`_pk_cuda_host` and driven through the same adapter as the GPU backend (launch.py: the same
 planner, the same params structs, the same launchers), with CPU tensors and stream 0. It exists
 to check the kernels' indexing, masking, reductions, barriers and algorithm in CI without a GPU;
 docs/cuda-host.md says what it proves and what it does not. It is slow (every CUDA thread is a
@@ -18,13 +18,13 @@ from typing import Sequence
 
 import torch
 
-from cuda.paged_cuda import host_build, ops
+from cuda.paged_cuda import host_build, launch, params
 from paged_kernels.abi import AttentionProblem, Support
 from paged_kernels.backends import Backend, BackendUnavailable
 
 #: Declared support (read by tools/support_matrix.py without building anything): the CUDA
 #: kernels' support, on CPU tensors. A build with PK_HOST_INSTANTIATIONS narrows the head sizes.
-SUPPORT: Support = ops.support(("cpu",))
+SUPPORT: Support = launch.support(("cpu",))
 
 NUM_SMS_ENV = "PK_HOST_NUM_SMS"
 DEFAULT_NUM_SMS = 132
@@ -54,35 +54,35 @@ class CudaHostBackend(Backend):
     def __init__(self) -> None:
         try:
             self._ext = host_build.host_module()
-            ops.check_layout(self._ext)
+            params.check_layout(self._ext)
         except (host_build.HostBuildError, ImportError, RuntimeError) as exc:
             raise BackendUnavailable(f"host build of the CUDA kernels failed: {exc}") from exc
         self._num_sms = _num_sms()
         reduced = os.environ.get("PK_HOST_INSTANTIATIONS")
-        self._support = ops.support(("cpu",), ops.REDUCED_HEAD_SIZES) if reduced else SUPPORT
+        self._support = launch.support(("cpu",), params.REDUCED_HEAD_SIZES) if reduced else SUPPORT
 
     @property
     def support(self) -> Support:
         return self._support
 
     def paged_attention(self, problem: AttentionProblem) -> None:
-        ops.paged_attention(self._ext, problem, HOST_STREAM, self._num_sms)
+        launch.paged_attention(self._ext, problem, HOST_STREAM, self._num_sms)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         _require_cpu("key_cache", key_cache)
-        ops.write_kv(self._ext, key, value, key_cache, value_cache, slot_mapping, HOST_STREAM)
+        launch.write_kv(self._ext, key, value, key_cache, value_cache, slot_mapping, HOST_STREAM)
 
     def copy_blocks(self, key_caches: Sequence[torch.Tensor],
                     value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
         _require_cpu("key_caches", key_caches[0])
-        ops.copy_blocks(self._ext, key_caches, value_caches, block_mapping, HOST_STREAM)
+        launch.copy_blocks(self._ext, key_caches, value_caches, block_mapping, HOST_STREAM)
 
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor,
                     block_mapping: torch.Tensor) -> None:
         _require_cpu("src", src)
         _require_cpu("dst", dst)
-        ops.swap_blocks_on_device(self._ext, src, dst, block_mapping, HOST_STREAM)
+        launch.swap_blocks_on_device(self._ext, src, dst, block_mapping, HOST_STREAM)
 
 
 def _require_cpu(arg: str, t: torch.Tensor) -> None:

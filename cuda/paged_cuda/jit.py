@@ -2,7 +2,7 @@
 
 Used when no built `_pk_cuda` extension is found on a machine with a GPU. `JitModule` has the
 same three methods as the extension (`paged_attention`, `write_kv`, `copy_blocks`, taking packed
-params and a stream), so `ops.py` drives both alike. It reads the plan from the packed params
+params and a stream), so launch.py drives both alike. It reads the plan from the packed params
 (exactly the fields the C++ launchers dispatch on), compiles each template instantiation it
 needs once per (GPU architecture, instantiation), and launches it with `cuLaunchKernel`, passing
 the params struct by value.
@@ -23,7 +23,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from cuda.paged_cuda import ops
+from cuda.paged_cuda.launch import attention_launches
+from cuda.paged_cuda.params import CSRC_DIR, unpack
 
 log = logging.getLogger("paged_kernels.cuda")
 
@@ -41,7 +42,7 @@ def cache_dir(arch: str) -> Path:
 
 def _sources_digest() -> str:
     h = hashlib.sha256()
-    for path in sorted(ops.CSRC_DIR.glob("*.cuh")) + [ops.CSRC_DIR / "pk_ops.h"]:
+    for path in sorted(CSRC_DIR.glob("*.cuh")) + [CSRC_DIR / "pk_ops.h"]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -103,7 +104,7 @@ class JitModule:
             _announced = True
         source = (f"// paged_kernels sources {self._digest}\n"
                   f'#include "{header}"\n')
-        options = ("-std=c++17", f"-I{ops.CSRC_DIR}")  # CuPy adds -arch for the device
+        options = ("-std=c++17", f"-I{CSRC_DIR}")  # CuPy adds -arch for the device
         old = os.environ.get("CUPY_CACHE_DIR")
         cache_dir(arch).mkdir(parents=True, exist_ok=True)
         os.environ["CUPY_CACHE_DIR"] = str(cache_dir(arch))
@@ -128,17 +129,17 @@ class JitModule:
 
     def paged_attention(self, params: bytes, stream: int) -> None:
         """Launches the kernels the plan inside `params` names (as pk_launch.cuh would)."""
-        for name, grid, threads, smem in ops.attention_launches(ops.unpack("attn", params)):
+        for name, grid, threads, smem in attention_launches(unpack("attn", params)):
             header = "pk_decode.cuh" if name.startswith("pk_decode") else "pk_varlen.cuh"
             self._run(header, name, grid, threads, smem, stream, params)
 
     def write_kv(self, params: bytes, stream: int) -> None:
-        v = ops.unpack("write_kv", params)
+        v = unpack("write_kv", params)
         self._run("pk_cache.cuh", f"pk_write_kv_kernel<{_COPY_UNITS[v['unit_bytes']]}>",
                   (v["grid_x"], v["grid_y"], 1), v["threads"], 0, stream, params)
 
     def copy_blocks(self, params: bytes, stream: int) -> None:
-        v = ops.unpack("copy", params)
+        v = unpack("copy", params)
         self._run("pk_cache.cuh", f"pk_copy_blocks_kernel<{_COPY_UNITS[v['unit_bytes']]}>",
                   (v["grid_x"], v["grid_y"], 1), v["threads"], 0, stream, params)
 

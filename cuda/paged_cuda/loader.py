@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from cuda.paged_cuda import ops
+from cuda.paged_cuda import params
 
 EXT_NAME = "_pk_cuda"
 EXT_DIR_ENV = "PAGED_KERNELS_CUDA_EXT_DIR"
@@ -40,7 +40,7 @@ def aot_extension() -> ModuleType | None:
             module = importlib.import_module(EXT_NAME)
         except ModuleNotFoundError:
             return None
-    ops.check_layout(module)
+    params.check_layout(module)
     return module
 
 

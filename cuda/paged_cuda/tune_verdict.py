@@ -1,6 +1,7 @@
 """The rule that turns `bench.tune_decode` rows into the CUDA planner's defaults (docs/cuda.md,
 "Tuning on a GPU"), applied by code so a short device call ends with a decision, not a table to
-read by hand.
+read by hand. The defaults it picks among are settings.py's; a chosen variant's values become
+their defaults there.
 
 Rows are tune_decode's: `variant`, `kind`, `batch`, `context`, `q_len` and, when timed, `us`,
 `frac_copy` and `rel_err_vs_sdpa`. Times are CUDA-graph replay medians of one call.
@@ -9,9 +10,8 @@ Rows are tune_decode's: `variant`, `kind`, `batch`, `context`, `q_len` and, when
   default) at every decode shape and faster at the target shape (batch 32 x context 4096)
   becomes the default; among several, the fastest there.
 - Prefill: the same for the varlen variants, "faster" meaning at one prefill shape at least.
-- Alarms: the synchronous varlen kernel (`VARLEN_STAGES=1`) faster than the default anywhere
-  (the cp.async kernel has a problem to find first), and a forced partition faster than the wave
-  model at the same tile (the model's per-block overhead wants refitting).
+- Alarm: a forced partition faster than the wave model at the same tile (the model's per-block
+  overhead wants refitting).
 - The target: every decode shape with batch >= 32 and context >= 4096 at >= 85 % of the copy
   bandwidth measured in the same run.
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cuda.paged_cuda.settings import PARTITION_ENV as PARTITION
+
 NOISE = 0.02
 MAX_REL_ERR = 2e-2  # bf16 operands: 1e-3..1e-2 is rounding, more is a bug
 TARGET_FRAC = 0.85
 TARGET_SHAPE = ("decode", 32, 4096, 1)
-PARTITION = "PAGED_KERNELS_CUDA_PARTITION"
-SYNC_VARLEN = "cuda:PAGED_KERNELS_CUDA_VARLEN_STAGES=1"
 
 Key = tuple[str, int, int, int]
 
@@ -78,7 +78,7 @@ def pick_default(rows: Sequence[dict], kind: str) -> tuple[str, list[str]]:
     best, best_ratio, lines = "cuda", 1.0, []
     for variant in times:
         settings = _settings(variant)
-        if variant == "cuda" or PARTITION in settings or variant == SYNC_VARLEN:
+        if variant == "cuda" or PARTITION in settings:
             continue
         ratios = _ratios(times, variant)
         if ratios is None:
@@ -96,13 +96,9 @@ def pick_default(rows: Sequence[dict], kind: str) -> tuple[str, list[str]]:
 
 
 def alarms(rows: Sequence[dict]) -> list[str]:
-    """The two findings that say to look for a problem before switching anything."""
+    """The findings that say to look for a problem before switching anything: each forced
+    partition that beats the wave model's at the same tile and shape."""
     out = []
-    prefill = _times(rows, "prefill")
-    for k, ratio in (_ratios(prefill, SYNC_VARLEN) or {}).items():
-        if ratio < 1 - NOISE:
-            out.append(f"the synchronous varlen kernel is faster at {k[1]}x{k[2]}x{k[3]} "
-                       f"({ratio:.3f}x): find the cp.async kernel's problem first")
     decode = _times(rows, "decode")
     for variant, mine in decode.items():
         settings = _settings(variant)
