@@ -132,7 +132,7 @@ def engine_builder(args: argparse.Namespace) -> Any:
 
 
 def _log_engine(engine: Any) -> None:
-    from paged_kernels.backends import resolve_backend
+    from paged_kernels import resolve_backend
 
     cfg = engine.config
     try:

@@ -21,6 +21,7 @@ from paged_kernels.backends import (
     available_backends,
     get_backend,
     registered_backends,
+    resolve_backend,
     unavailable_backends,
 )
 
@@ -32,5 +33,6 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionPlan", "AttentionProblem", "Backend", "BackendUnavailable", "Support",
     "available_backends", "copy_blocks", "get_backend", "merge_attn_states", "paged_attention",
-    "plan", "registered_backends", "swap_blocks", "unavailable_backends", "write_kv",
+    "plan", "registered_backends", "resolve_backend", "swap_blocks", "unavailable_backends",
+    "write_kv",
 ]

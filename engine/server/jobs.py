@@ -8,14 +8,23 @@ events, ending with `data: [DONE]`.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Protocol
 
 from engine.server import responses as R
 from engine.server.async_engine import RequestDelta
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
-if TYPE_CHECKING:
-    from engine.server.routes import OpenAIServer
+
+
+class OpenAIServer(Protocol):
+    """What a job reads of the server that made it (`routes.OpenAIServer`)."""
+
+    model_name: str
+    tokenizer: Any
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, as logprobs report it."""
+
 
 Deltas = AsyncIterator[tuple[int, RequestDelta]]
 
