@@ -61,12 +61,12 @@ def main() -> None:
                   for layer in dense]
         xs = {k: torch.randn(m, k).bfloat16() for k in (576, 1536)}
 
-        def run_int8() -> None:
+        def run_int8(xs: dict = xs) -> None:
             for layer in int8:
                 for n, (_, k) in SHAPES.items():
                     int8_linear(xs[k], layer[n])
 
-        def run_dense() -> None:
+        def run_dense(xs: dict = xs, packed: list = packed) -> None:
             for layer in packed:
                 for n, (_, k) in SHAPES.items():
                     torch.ops.mkldnn._linear_pointwise(xs[k], layer[n], None, "none", [], "")

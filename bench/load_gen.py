@@ -252,8 +252,10 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
-    ms = 1000.0
-    scale = lambda d: {k: v * ms for k, v in d.items()}  # seconds -> ms
+
+    def scale(d: dict) -> dict:  # seconds -> ms
+        return {k: v * 1000.0 for k, v in d.items()}
+
     return {
         "config": {k: v for k, v in vars(args).items() if k not in ("api_key", "output")},
         "model": model,

@@ -1,6 +1,6 @@
 """Where a step of the engine goes, prefill and decode: matmuls, attention, KV writes, other
-model ops, sampling and Python overhead (everything else in `LLMEngine.step`). The columns add up to the
-step: matmuls include the LM head (`compute_logits`), "other model ops" are the rest of the
+model ops, sampling and Python overhead (everything else in `LLMEngine.step`). The columns add up
+to the step: matmuls include the LM head (`compute_logits`), "other model ops" are the rest of the
 forward and of `compute_logits` (norms, rotary, activations, residual adds, the float cast).
 
     python -m bench.serve_profile --batch 1 16 --threads 1 2 --dtype bfloat16
@@ -146,7 +146,7 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for batch in args.batch:
-            for q, loaded in models.items():
+            for loaded in models.values():
                 for phase, row in profile(loaded, batch, args).items():
                     rows.append({"threads": threads, "batch": batch,
                                  "quantization": loaded.quantization, "phase": phase, **row})

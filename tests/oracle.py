@@ -56,4 +56,5 @@ def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.double().cpu()
     if not torch.isfinite(x).all():
         return math.inf
-    return float(torch.linalg.vector_norm(x - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-300))
+    norm = torch.linalg.vector_norm
+    return float(norm(x - ref) / norm(ref).clamp_min(1e-300))

@@ -221,9 +221,9 @@ VARLEN_KERNELS = {"async": "4", "async-8-warps": "8"}
     ("async", 112, 32), ("async", 128, 24), ("async", 192, 8), ("async-8-warps", 112, 32),
     ("async-8-warps", 192, 8)])
 def test_varlen_mma_kernels_long_contexts(monkeypatch, kernel, head_size, block_size):
-    """The 16-bit varlen kernel (4 or 8 warps) over 3-6 K/V tiles per block (the ring wraps several times;
-    64-key tiles up to head size 128, 32-key ones above; at 112 a tile is not a whole number of
-    passes of 8 warps' copies), a chunk on a cached prefix, a prefill
+    """The 16-bit varlen kernel (4 or 8 warps) over 3-6 K/V tiles per block (the ring wraps
+    several times; 64-key tiles up to head size 128, 32-key ones above; at 112 a tile is not a
+    whole number of passes of 8 warps' copies), a chunk on a cached prefix, a prefill
     longer than one block's rows, decodes, a GQA group of 3, the window and every feature."""
     monkeypatch.setenv("PAGED_KERNELS_CUDA_VARLEN_WARPS", VARLEN_KERNELS[kernel])
     slopes = torch.tensor([2.0 ** (-(h + 1)) for h in range(6)], dtype=torch.float32)

@@ -180,7 +180,7 @@ def test_logprobs(client, model):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
     assert "".join(lp.tokens) == r.choices[0].text
-    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and len(top) >= 2
         assert max(top.values()) == pytest.approx(value, abs=1e-4)  # greedy: the best token
     c = client.chat.completions.create(model=model, messages=CHAT, max_tokens=3, temperature=0,

@@ -24,7 +24,8 @@ The number of splits: a fixed split size if one is forced (`set_fixed_split_size
 environment variable PAGED_KERNELS_TRITON_SPLIT_SIZE) -- then the splits of a sequence depend only
 on its own length and results are bitwise identical however it is batched --, else a heuristic
 that takes the longest split of MIN_SPLIT_TOKENS * 2^k keys that still gives the grid at least
-PROGRAMS_PER_SM programs per SM (or the shortest split when none does). The heuristic takes the block table's capacity as the context length, since reading seq_lens would
+PROGRAMS_PER_SM programs per SM (or the shortest split when none does). The heuristic takes the
+block table's capacity as the context length, since reading seq_lens would
 synchronise with the device: size block tables to the batch's longest sequence.
 """
 
