@@ -23,7 +23,7 @@ import torch
 from cuda.paged_cuda.params import (CTYPES, DTYPE_CODES, HEAD_SIZES, KERNEL_DECODE,
                                     KERNEL_DECODE_MMA, KERNEL_VARLEN_MMA, pack)
 from cuda.paged_cuda.planner import THREADS, AttentionPlan, plan_attention
-from paged_kernels.abi import FEATURES, AttentionProblem, Support
+from paged_kernels.abi import FEATURES, AttentionProblem, Support, check_block_ids
 
 
 class Extension(Protocol):
@@ -222,19 +222,13 @@ def _copy_values(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, mapping: torch.
         "grid_x": mapping.shape[0], "grid_y": src_ptrs.numel(), "threads": THREADS}
 
 
-def _check_block_ids(arg: str, ids: torch.Tensor, num_blocks: int) -> None:
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        raise ValueError(f"block_mapping: expected {arg} block ids in [0, {num_blocks}), got "
-                         f"min {int(ids.min())}, max {int(ids.max())}")
-
-
 def copy_blocks(ext: Extension, key_caches: Sequence[torch.Tensor],
                 value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor,
                 stream: int) -> None:
     """`cache[dst] = cache[src]` for every (src, dst) row in every cache. Caches with the same
     strides go in one launch; the mapping's ids are checked on the host (it is small)."""
     caches = [*key_caches, *value_caches]
-    _check_block_ids("src/dst", block_mapping, caches[0].shape[0])
+    check_block_ids("src/dst", block_mapping, caches[0].shape[0])
     device = caches[0].device
     mapping = block_mapping.to(device=device, dtype=torch.int64).contiguous()
     groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
@@ -249,8 +243,8 @@ def copy_blocks(ext: Extension, key_caches: Sequence[torch.Tensor],
 
 def check_swap_ids(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Raises ValueError if a swap's source or destination id is out of range."""
-    _check_block_ids("source", block_mapping[:, 0], src.shape[0])
-    _check_block_ids("destination", block_mapping[:, 1], dst.shape[0])
+    check_block_ids("source", block_mapping[:, 0], src.shape[0])
+    check_block_ids("destination", block_mapping[:, 1], dst.shape[0])
 
 
 def swap_blocks_on_device(ext: Extension, src: torch.Tensor, dst: torch.Tensor,
