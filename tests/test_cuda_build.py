@@ -2,10 +2,11 @@
 
 `test_every_kernel_compiles_without_hot_spills` compiles every `cuda/csrc/*.cu` to cubins for
 sm_80 and sm_90 with `-Xptxas -v` and fails if a hot kernel (decode, varlen) spills to local
-memory. It compiles every instantiation, every head size included (36 s on 2 idle cores; only
-head sizes 96, 112 and 192 showed the spills of a fully unrolled copy loop in session 4);
-`PAGED_KERNELS_FULL_CUDA_CHECK=0` compiles the reduced set (head sizes 64 and 128: every dtype,
-GQA group tile, kernel and copy unit; 12 s). Skipped when nvcc is absent.
+memory. It compiles every instantiation, every head size included, because a spill can show at
+one head size only (a fully unrolled decode copy loop spills at head sizes 96, 112 and 192 and
+nowhere else); `PAGED_KERNELS_FULL_CUDA_CHECK=0` compiles the reduced set (head sizes 64 and 128:
+every dtype, GQA group tile, kernel and copy unit; about a third of the time, see
+bench/results/2026-11-30-cuda-compile-cpu). Skipped when nvcc is absent.
 """
 
 from __future__ import annotations
