@@ -84,7 +84,9 @@ class BeamSearcher:
 
     def run(self, prompts: list[tuple[Optional[str], list[int]]],
             params: "BeamSearchParams") -> list[BeamSearchOutput]:
-        """Searches every prompt, in batches of prompts whose beams fit in the KV pool."""
+        """Searches every prompt, in batches of prompts whose beams fit in the KV pool.
+        ValueError under a reservation `kv_allocation` (beams share blocks)."""
+        self.engine.require_paged("beam search")
         if self.engine.has_unfinished_requests():
             raise RuntimeError("beam_search: expected an idle engine (no unfinished requests)")
         results: list[BeamSearchOutput] = []

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 PREEMPTION_MODES = ("recompute", "swap")
+KV_ALLOCATIONS = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")  # engine/kv_allocation
 QUANTIZATION_MODES = ("auto", "gguf", "gguf-int8", "none")  # see docs/quant.md
 
 
@@ -33,7 +34,7 @@ class EngineConfig:
       "recompute" unless given).
     - `max_num_seqs`: most sequences in one step; `max_num_batched_tokens`: most tokens in one step
       (a prefill longer than that is chunked over several steps).
-    - `enable_prefix_caching`: reuse cached full blocks of earlier requests.
+    - `enable_prefix_caching`: reuse cached full blocks of earlier requests (under "paged" only).
     - `preemption_mode`: "recompute" (free the blocks, recompute later) or "swap" (copy the blocks
       to the host pool and back).
     - `max_model_len`: most tokens (prompt + output) in one sequence; None = from the model.
@@ -42,6 +43,12 @@ class EngineConfig:
       multiplies small batches by a GGUF file's own Q4_1/Q8_0 blocks, "gguf-int8" every matmul
       (int8 activations, llama.cpp's scheme), "none" (or None) uses dense weights only, "auto"
       (default) is "gguf" wherever it applies.
+    - `kv_allocation`: "paged" (default: blocks as tokens arrive) or a contiguous-reservation
+      baseline of the vLLM paper, where a request reserves its slots at admission:
+      "reserve-max" (`max_model_len`), "reserve-pow2" (the next power of two of prompt +
+      `max_tokens`) or "reserve-oracle" (prompt + `max_tokens`); see engine/kv_allocation.py.
+      Under a reservation, prefix caching is off and requests that share blocks (`n > 1`, beam
+      search) are refused.
     """
 
     block_size: int = 16
@@ -55,6 +62,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     backend: str = "auto"
     quantization: Optional[str] = "auto"
+    kv_allocation: str = "paged"
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)
@@ -78,3 +86,6 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization: expected one of {QUANTIZATION_MODES} or None, got "
                              f"{self.quantization!r}")
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(f"kv_allocation: expected one of {KV_ALLOCATIONS}, got "
+                             f"{self.kv_allocation!r}")

@@ -15,15 +15,26 @@ count drops to zero keeps its key until the pool evicts it.
 Preemption by swap moves a sequence's blocks to a second, host pool (`swap_out`) and back
 (`swap_in`); the returned `(src, dst)` pairs are what the runner copies with `swap_blocks`.
 
+Contiguous-reservation baselines (engine/kv_allocation.py): `admit(..., reserve_tokens=n)` gives
+a sequence all the blocks of `n` slots at once; later writes inside them take no new block.
+Under a reservation policy (`kv_allocation` other than "paged") the manager neither looks up nor
+commits cached blocks.
+
+`memory_stats()` splits the device slots into those holding a token, reserved but unused, the
+empty tail of each sequence's last written block (internal fragmentation) and free ones: each
+resident sequence's *written extent* (the tokens `allocate_slots` made room for) is tracked.
+
 `check_integrity()` verifies every invariant; the tests call it after every operation.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from engine.block_pool import BlockCopy, BlockPool
+from engine.config import KV_ALLOCATIONS
 
 #: The parent key of a sequence's first block.
 ROOT_HASH = 0x5EED
@@ -34,29 +45,58 @@ def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+@dataclass(frozen=True)
+class KVMemoryStats:
+    """Device KV memory at one moment, in slots (tokens) except `shared_blocks_saved`.
+
+    `allocated_slots` (blocks referenced by a table, times `block_size`) = `token_slots` (slots
+    holding a written token; a block shared by several sequences counts once, filled up to its
+    furthest holder's extent) + `reserved_unused_slots` (blocks after every holder's last written
+    block) + `internal_fragment_slots` (the empty tail of a block holding some sequence's last
+    written token). `allocated_slots + free_slots == total_slots` (evictable cached blocks are
+    free). `shared_blocks_saved`: blocks that sharing saves, the sum over allocated blocks of
+    their reference count minus one.
+    """
+
+    total_slots: int
+    allocated_slots: int
+    token_slots: int
+    reserved_unused_slots: int
+    internal_fragment_slots: int
+    free_slots: int
+    shared_blocks_saved: int
+
+
 class KVCacheManager:
     """The block tables of live sequences over a device pool and a host swap pool.
 
     Sequences are named by an int `seq_id`. A sequence is either *resident* (a device block table)
     or *swapped* (a host block table), or unknown to the manager. The manager does not keep token
     contents (the pool keeps those of the full blocks it caches); callers pass token ids where
-    needed.
+    needed. `kv_allocation` other than "paged" (a reservation baseline) turns prefix caching off.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, kv_allocation: str = "paged") -> None:
         for name, value, minimum in (("num_blocks", num_blocks, 1), ("block_size", block_size, 1),
                                      ("num_host_blocks", num_host_blocks, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+        if kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(f"kv_allocation: expected one of {KV_ALLOCATIONS}, got "
+                             f"{kv_allocation!r}")
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.kv_allocation = kv_allocation
+        self.enable_prefix_caching = enable_prefix_caching and kv_allocation == "paged"
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks)
         self._tables: dict[int, list[int]] = {}
         # Chained keys of each resident sequence's full, computed blocks (prefix of its table).
         self._seq_hashes: dict[int, list[int]] = {}
         self._host_tables: dict[int, list[int]] = {}
+        # Written extent (tokens) of each resident sequence, and of each swapped one.
+        self._written: dict[int, int] = {}
+        self._host_written: dict[int, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.peak_used_blocks = 0
@@ -131,24 +171,48 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def num_blocks_to_admit(self, cached: Sequence[int], num_tokens: int) -> int:
-        """Free blocks that `admit(cached)` followed by slots for the first `num_tokens` tokens
-        would take: the new blocks plus the cached hits that are now evictable."""
-        new = max(0, -(-num_tokens // self.block_size) - len(cached))
+    def num_blocks_to_admit(self, cached: Sequence[int], num_tokens: int,
+                            reserve_tokens: Optional[int] = None) -> int:
+        """Free blocks that `admit(cached, reserve_tokens)` followed by slots for the first
+        `num_tokens` tokens would take: the new blocks (at least the reservation's) plus the
+        cached hits that are now evictable."""
+        tokens = max(num_tokens, reserve_tokens or 0)
+        new = max(0, -(-tokens // self.block_size) - len(cached))
         return new + sum(1 for b in cached if self.pool.ref_count(b) == 0)
 
-    def admit(self, seq_id: int, token_ids: Sequence[int], cached: Sequence[int]) -> int:
+    def admit(self, seq_id: int, token_ids: Sequence[int], cached: Sequence[int],
+              reserve_tokens: Optional[int] = None) -> int:
         """Gives a new sequence a block table starting with the `cached` blocks (from
-        `find_cached_prefix(token_ids)`); returns the number of tokens already computed."""
+        `find_cached_prefix(token_ids)`); returns the number of tokens already computed.
+
+        With `reserve_tokens`, the table gets all `ceil(reserve_tokens / block_size)` blocks now
+        (ValueError, nothing changed, when they are not free; `num_blocks_to_admit` says)."""
         self._check_unknown("seq_id", seq_id)
+        if reserve_tokens is not None:
+            self._check_reservation(cached, reserve_tokens)
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += len(cached) * self.block_size
         for b in cached:
             self.pool.acquire(b)
-        self._tables[seq_id] = list(cached)
+        table = list(cached)
+        while len(table) * self.block_size < (reserve_tokens or 0):
+            table.append(self.pool.allocate())
+        self._tables[seq_id] = table
         self._seq_hashes[seq_id] = [self.pool.key(b) for b in cached]  # type: ignore[misc]
+        self._written[seq_id] = len(cached) * self.block_size
         self._note_peak()
         return len(cached) * self.block_size
+
+    def _check_reservation(self, cached: Sequence[int], reserve_tokens: int) -> None:
+        if isinstance(reserve_tokens, bool) or not isinstance(reserve_tokens, int) \
+                or reserve_tokens < 1:
+            raise ValueError(f"reserve_tokens: expected None or an int >= 1, got "
+                             f"{reserve_tokens!r}")
+        needed = self.num_blocks_to_admit(cached, 0, reserve_tokens)
+        if needed > self.num_free_blocks:
+            raise ValueError(f"reserve_tokens: expected a reservation that fits the "
+                             f"{self.num_free_blocks} free blocks, got {reserve_tokens} tokens "
+                             f"({needed} blocks)")
 
     def commit(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Enters the sequence's blocks that are full of computed tokens into the prefix cache.
@@ -208,6 +272,7 @@ class KVCacheManager:
                 copies.append((src, dst))
         while len(table) < end:
             table.append(self.pool.allocate())
+        self._written[seq_id] = max(self._written[seq_id], num_computed + num_new)
         self._note_peak()
         return copies
 
@@ -223,6 +288,7 @@ class KVCacheManager:
             self.pool.acquire(b)
         self._tables[child_id] = list(table)
         self._seq_hashes[child_id] = list(self._seq_hashes[parent_id])
+        self._written[child_id] = self._written[parent_id]
 
     def free(self, seq_id: int) -> None:
         """Releases everything the sequence holds (device or host blocks); unknown ids are a no-op.
@@ -231,6 +297,8 @@ class KVCacheManager:
         """
         table = self._tables.pop(seq_id, None)
         self._seq_hashes.pop(seq_id, None)
+        self._written.pop(seq_id, None)
+        self._host_written.pop(seq_id, None)
         if table is not None:
             for b in reversed(table):
                 self.pool.release(b)
@@ -257,6 +325,7 @@ class KVCacheManager:
             for b in reversed(self._tables.pop(s)):
                 self.pool.release(b)
             self._seq_hashes.pop(s)
+            self._host_written[s] = self._written.pop(s)
         return mapping
 
     def num_blocks_to_swap_in(self, seq_ids: Iterable[int]) -> int:
@@ -271,6 +340,7 @@ class KVCacheManager:
         for s in seq_ids:
             # The new blocks have no key yet; the next `commit` re-enters the full ones.
             self._seq_hashes[s] = []
+            self._written[s] = self._host_written.pop(s)
             for h in self._host_tables.pop(s):
                 self.host_pool.release(h)
         self._note_peak()
@@ -293,6 +363,24 @@ class KVCacheManager:
             dst_tables[s] = table
         return list(mapping.items())
 
+    # ------------------------------------------------------------------ memory
+    def memory_stats(self) -> KVMemoryStats:
+        """How the device slots are used now (see `KVMemoryStats`)."""
+        bs = self.block_size
+        fill: dict[int, int] = {}  # allocated block -> slots holding a token
+        for seq_id, table in self._tables.items():
+            written = self._written[seq_id]
+            for i, b in enumerate(table):
+                fill[b] = max(fill.get(b, 0), min(bs, max(0, written - i * bs)))
+        total = self.num_blocks * bs
+        allocated = self.num_used_blocks * bs
+        return KVMemoryStats(
+            total_slots=total, allocated_slots=allocated, token_slots=sum(fill.values()),
+            reserved_unused_slots=bs * sum(1 for f in fill.values() if f == 0),
+            internal_fragment_slots=sum(bs - f for f in fill.values() if 0 < f < bs),
+            free_slots=total - allocated,
+            shared_blocks_saved=sum(self.pool.ref_count(b) - 1 for b in fill))
+
     # ---------------------------------------------------------------- internals
     def _check_unknown(self, name: str, seq_id: int) -> None:
         if seq_id in self._tables or seq_id in self._host_tables:
@@ -312,6 +400,17 @@ class KVCacheManager:
         for seq_id, hashes in self._seq_hashes.items():
             assert seq_id in self._tables and len(hashes) <= len(self._tables[seq_id])
         assert set(self._seq_hashes) == set(self._tables)
+        self._check_written()
         assert not set(self._tables) & set(self._host_tables), "a sequence resident and swapped"
         self.host_pool.check_integrity(Counter(b for t in self._host_tables.values() for b in t),
                                        self.block_size, "host block")
+
+    def _check_written(self) -> None:
+        """Every resident (swapped) sequence has a written extent within its (host) table."""
+        for tables, written in ((self._tables, self._written),
+                                (self._host_tables, self._host_written)):
+            assert set(written) == set(tables), "written extents of unknown sequences"
+            for seq_id, table in tables.items():
+                extent = written[seq_id]
+                assert 0 <= extent <= len(table) * self.block_size, \
+                    f"seq {seq_id}: written extent {extent} beyond its {len(table)} blocks"

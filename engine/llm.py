@@ -39,7 +39,9 @@ class LLM:
     are `EngineConfig`'s (see there): the KV pool as `num_kv_blocks` or `kv_cache_memory_bytes`,
     the step budgets, prefix caching, the preemption mode, the attention backend and
     `quantization` ("auto", "gguf" or "none": whether small batches multiply by a GGUF file's
-    own quantized blocks; docs/quant.md; ignored for a `LoadedModel`). `kv_fill`
+    own quantized blocks; docs/quant.md; ignored for a `LoadedModel`), `kv_allocation` ("paged"
+    or a contiguous-reservation baseline: "reserve-max", "reserve-pow2", "reserve-oracle"; see
+    engine/kv_allocation.py). `kv_fill`
     (a testing aid) fills the KV cache with a value such as NaN.
     """
 
@@ -52,14 +54,15 @@ class LLM:
                  max_model_len: Optional[int] = None, num_host_blocks: Optional[int] = None,
                  device: Union[str, torch.device] = "cpu",
                  kv_fill: Optional[float] = None,
-                 quantization: Optional[str] = "auto") -> None:
+                 quantization: Optional[str] = "auto", kv_allocation: str = "paged") -> None:
         config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               num_host_blocks=num_host_blocks, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               enable_prefix_caching=enable_prefix_caching,
                               preemption_mode=preemption_mode, max_model_len=max_model_len,
-                              backend=backend, quantization=quantization)
+                              backend=backend, quantization=quantization,
+                              kv_allocation=kv_allocation)
         self.llm_engine = LLMEngine(model, _resolve_dtype(dtype), config, device, kv_fill)
         self._counter = 0
 

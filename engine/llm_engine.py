@@ -21,6 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
+from engine.kv_allocation import reserved_tokens
 from engine.kv_cache_manager import KVCacheManager
 from engine.model.loader import LoadedModel, load_model
 from engine.outputs import CompletionOutput, RequestOutput
@@ -58,11 +59,11 @@ class LLMEngine:
         if num_host is None:
             num_host = num_blocks if config.preemption_mode == "swap" else 0
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, num_host,
-                                               config.enable_prefix_caching)
+                                               config.enable_prefix_caching, config.kv_allocation)
         self.kv_cache = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                 num_blocks, config.block_size, self.dtype, self.device,
                                 num_host, config.backend, kv_fill)
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.backend, self.device)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
@@ -89,14 +90,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: Optional[float] = None, prompt: Optional[str] = None) -> None:
         """Queues a request. ValueError for a duplicate id, an empty or out-of-vocabulary prompt,
-        a prompt that leaves no room under `max_model_len`, `n > max_num_seqs`, or a request that
-        could never fit in the KV pool."""
+        a prompt that leaves no room under `max_model_len`, `n > max_num_seqs`, `n > 1` under a
+        reservation `kv_allocation`, or a request that could never fit in the KV pool."""
         if request_id in self._groups:
             raise ValueError(f"request_id: expected an id not in use, got {request_id!r}")
         ids = self.check_prompt(prompt_token_ids)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n: expected at most max_num_seqs={self.config.max_num_seqs} "
                              f"sequences per request, got {params.n}")
+        if params.n > 1:
+            self.require_paged(f"n={params.n}")
         self._check_fits(len(ids), params.max_tokens, params.n)
         group = SequenceGroup(request_id, ids, params,
                               time.monotonic() if arrival_time is None else arrival_time,
@@ -122,9 +125,20 @@ class LLMEngine:
                              f"{self.max_model_len} tokens, got {len(ids)}")
         return ids
 
+    def require_paged(self, what: str) -> None:
+        """ValueError under a reservation `kv_allocation` for `what` ("n=4", "beam search"):
+        a request whose sequences share blocks (the baselines serve one sequence per request)."""
+        policy = self.config.kv_allocation
+        if policy != "paged":
+            raise ValueError(f"kv_allocation: expected 'paged' for {what} (its sequences share "
+                             f"KV blocks), got {policy!r}")
+
     def _check_fits(self, prompt_len: int, max_tokens: Optional[int], num_seqs: int) -> None:
         total = self.max_model_len if max_tokens is None else \
             min(prompt_len + max_tokens, self.max_model_len)
+        reserved = reserved_tokens(self.config.kv_allocation, prompt_len,
+                                   total - prompt_len, self.max_model_len)
+        total = max(total, reserved or 0)
         blocks = num_seqs * -(-total // self.config.block_size)
         if blocks > self.kv_cache_manager.num_blocks:
             raise ValueError(f"num_kv_blocks: a request of {prompt_len} prompt tokens, "

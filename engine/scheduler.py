@@ -9,6 +9,11 @@ not free, the latest-arriving running request is preempted (first come, first se
 recompute (its blocks go back to the pool, still cached, and it rejoins the front of the waiting
 queue) or by swap (its blocks go to the host pool and come back before it runs again). No request
 is swapped in or admitted in a step that preempted.
+
+Under a contiguous-reservation policy (`EngineConfig.kv_allocation`, engine/kv_allocation.py) a
+waiting sequence is admitted only when the whole reservation of its request (from its prompt
+length and its `max_tokens` resolved against `max_model_len`) fits in the free blocks; a
+recompute-preempted sequence gives its reservation back and reserves again when readmitted.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Optional
 
 from engine.block_pool import BlockCopy
 from engine.config import EngineConfig
+from engine.kv_allocation import reserved_tokens, resolved_max_tokens
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Sequence, SequenceGroup, SequenceStatus
 
@@ -47,11 +53,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting, running and swapped queues and decides each step's batch."""
+    """Owns the waiting, running and swapped queues and decides each step's batch.
 
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+    `max_model_len` is the engine's resolved limit (default: `config.max_model_len`); a
+    reservation policy needs one (ValueError when neither is given)."""
+
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
+                 max_model_len: Optional[int] = None) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len or config.max_model_len
+        if config.kv_allocation != "paged" and self.max_model_len is None:
+            raise ValueError(f"max_model_len: expected an int under kv_allocation="
+                             f"{config.kv_allocation!r}, got None")
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []  # sorted by arrival
@@ -165,8 +179,20 @@ class Scheduler:
         allocated = self._allocate(out, shares)
         assert allocated, "allocation checked by _blocks_needed"
 
+    def reservation(self, seq: Sequence) -> Optional[int]:
+        """The slots the sequence reserves at admission under the configured `kv_allocation`
+        (None under "paged"): from its prompt length and its request's `max_tokens`."""
+        if self.config.kv_allocation == "paged":
+            return None
+        limit = self.max_model_len
+        assert limit is not None, "checked in __init__"
+        prompt_len = seq.num_prompt_tokens
+        output = resolved_max_tokens(seq.group.params.max_tokens, prompt_len, limit)
+        return reserved_tokens(self.config.kv_allocation, prompt_len, output, limit)
+
     def _admit(self, seq: Sequence, cached: list[int]) -> None:
-        seq.num_computed_tokens = self.kv_cache_manager.admit(seq.seq_id, seq.token_ids, cached)
+        seq.num_computed_tokens = self.kv_cache_manager.admit(seq.seq_id, seq.token_ids, cached,
+                                                              self.reservation(seq))
         seq.status = SequenceStatus.RUNNING
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -225,7 +251,7 @@ class Scheduler:
                 done = len(hits) * kvm.block_size
                 n = min(seq.num_tokens - done, left)
                 left -= n
-                needed += kvm.num_blocks_to_admit(hits, done + n)
+                needed += kvm.num_blocks_to_admit(hits, done + n, self.reservation(seq))
                 plan.append((seq, hits, n))
             if needed > kvm.num_free_blocks:
                 break

@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any, Optional, Sequence
 
-from engine.config import QUANTIZATION_MODES
+from engine.config import KV_ALLOCATIONS, QUANTIZATION_MODES
 
 #: Environment variable read when --api-key is not given.
 API_KEY_ENV = "ENGINE_API_KEY"
@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse KV blocks of shared prompt prefixes")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default="paged",
+                   help="paged (default): KV blocks as tokens arrive; reserve-max, reserve-pow2, "
+                        "reserve-oracle: the vLLM paper's contiguous-reservation baselines (a "
+                        "request reserves max_model_len, the next power of two of prompt + "
+                        "max_tokens, or exactly that, at admission; no prefix caching, n = 1)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="refuse (429) new requests while this many already wait")
     p.add_argument("--max-request-bytes", type=parse_size, default=4 << 20,
@@ -122,7 +127,8 @@ def engine_builder(args: argparse.Namespace) -> Any:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
-            backend=args.backend, quantization=args.quantization)
+            backend=args.backend, quantization=args.quantization,
+            kv_allocation=args.kv_allocation)
         dtype = getattr(torch, _DTYPES[args.dtype])
         engine = LLMEngine(args.model, dtype=dtype, config=config)
         _log_engine(engine)
@@ -139,14 +145,15 @@ def _log_engine(engine: Any) -> None:
         backend = resolve_backend(cfg.backend, engine.device).name
     except Exception as exc:  # only for the log line
         backend = f"{cfg.backend} (unresolved: {exc})"
-    blocks = engine.kv_cache_manager.num_blocks
+    kvm = engine.kv_cache_manager
     logger.info("model %s (%s), dtype %s, backend %s, %d KV blocks of %d tokens (%d tokens), "
                 "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix caching "
-                "%s, preemption %s, quantization %s", engine.loaded.name, engine.loaded.path,
-                str(engine.dtype).replace("torch.", ""), backend, blocks, cfg.block_size,
-                blocks * cfg.block_size, engine.max_model_len, cfg.max_num_seqs,
-                cfg.max_num_batched_tokens, "on" if cfg.enable_prefix_caching else "off",
-                cfg.preemption_mode, engine.loaded.quantization)
+                "%s, preemption %s, KV allocation %s, quantization %s", engine.loaded.name,
+                engine.loaded.path, str(engine.dtype).replace("torch.", ""), backend,
+                kvm.num_blocks, cfg.block_size, kvm.num_blocks * cfg.block_size,
+                engine.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                "on" if kvm.enable_prefix_caching else "off", cfg.preemption_mode,
+                cfg.kv_allocation, engine.loaded.quantization)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -196,16 +196,18 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     def resident(self) -> list[int]:
         return [s for s in self.tokens if s not in self.swapped]
 
-    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14), chunk=st.integers(1, 14))
-    def admit(self, prompt, chunk):
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14), chunk=st.integers(1, 14),
+          reserve=st.one_of(st.none(), st.integers(1, 20)))
+    def admit(self, prompt, chunk, reserve):
         hits = self.bm.find_cached_prefix(prompt)
         done = len(hits) * BS
         n = min(chunk, len(prompt) - done)
-        if self.bm.num_blocks_to_admit(hits, done + n) > self.bm.num_free_blocks:
+        if self.bm.num_blocks_to_admit(hits, done + n, reserve) > self.bm.num_free_blocks:
             return
         s = self.next_id
         self.next_id += 1
-        assert self.bm.admit(s, prompt, hits) == done
+        assert self.bm.admit(s, prompt, hits, reserve) == done
+        assert len(self.bm.block_table(s)) == max(len(hits), -(-(reserve or 0) // BS))
         # Hit blocks must already hold exactly these tokens.
         assert read(self.bm, self.memory, s, done) == prompt[:done]
         self.tokens[s], self.computed[s] = list(prompt), done
@@ -274,6 +276,24 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             assert read(self.bm, self.memory, s, self.computed[s]) == \
                 self.tokens[s][:self.computed[s]], f"seq {s} reads back wrong tokens"
         assert self.bm.num_used_blocks <= self.bm.num_blocks
+
+    @invariant()
+    def memory_accounted(self):
+        """Slots holding a token, from this machine's own count of each sequence's computed
+        tokens: a block shared by several sequences counts once, as full as its fullest."""
+        fill: dict[int, int] = {}
+        holders: dict[int, int] = {}
+        for s in self.resident():
+            for i, b in enumerate(self.bm.block_table(s)):
+                fill[b] = max(fill.get(b, 0), min(BS, max(0, self.computed[s] - i * BS)))
+                holders[b] = holders.get(b, 0) + 1
+        stats = self.bm.memory_stats()
+        assert stats.total_slots == 12 * BS and stats.allocated_slots == len(fill) * BS
+        assert stats.token_slots == sum(fill.values())
+        assert stats.allocated_slots == (stats.token_slots + stats.reserved_unused_slots
+                                         + stats.internal_fragment_slots)
+        assert stats.allocated_slots + stats.free_slots == stats.total_slots
+        assert stats.shared_blocks_saved == sum(h - 1 for h in holders.values())
 
 
 KVCacheManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,

@@ -28,7 +28,7 @@ class FakeEngine:
         host = config.pop("num_host_blocks", 0)
         self.config = EngineConfig(num_kv_blocks=num_blocks, num_host_blocks=host, **config)
         self.bm = KVCacheManager(num_blocks, self.config.block_size, host,
-                                 self.config.enable_prefix_caching)
+                                 self.config.enable_prefix_caching, self.config.kv_allocation)
         self.scheduler = Scheduler(self.config, self.bm)
         self.memory: dict[int, int] = {}
         self.host: dict[int, int] = {}
@@ -213,6 +213,73 @@ def test_abort_at_any_point_frees_everything(mode):
         eng.run()
         eng.assert_clean()
         assert eng.scheduler.abort("nonexistent") is None
+
+
+# ----------------------------------------------------------- contiguous-reservation baselines
+def reservation_blocks(eng: FakeEngine, seq: Sequence) -> int:
+    return -(-eng.scheduler.reservation(seq) // eng.config.block_size)
+
+
+@pytest.mark.parametrize("policy, running", [("paged", 3), ("reserve-oracle", 2),
+                                             ("reserve-pow2", 2), ("reserve-max", 1)])
+def test_a_request_is_admitted_only_when_its_whole_reservation_fits(policy, running):
+    """Prompts of 6 tokens with max_tokens 6 in 8 blocks of 4: paged admits all three (2 blocks
+    each for the prompt); oracle reserves 12 tokens (3 blocks), pow2 16 (4), max 32 (8)."""
+    eng = FakeEngine(num_kv_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                     max_model_len=32, kv_allocation=policy)
+    for i in range(3):
+        eng.add(f"r{i}", [i] * 6, max_tokens=6, arrival=float(i))
+    eng.step()
+    assert len(eng.scheduler.running) == running
+    while eng.scheduler.has_unfinished():
+        for group in eng.scheduler.running:  # no block taken inside a reservation
+            seq = group.seqs[0]
+            if policy != "paged" and not seq.is_finished:
+                assert len(eng.bm.block_table(seq.seq_id)) == reservation_blocks(eng, seq)
+        eng.step()
+    if policy != "paged":  # a reservation covers the whole life: never preempted
+        assert eng.scheduler.num_preemptions == 0
+    assert len(eng.finished) == 3
+    for g in eng.finished.values():
+        assert g.seqs[0].output_token_ids == expected_outputs(6)
+    eng.assert_clean()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_frees_the_reservation_and_readmission_reserves_again(mode, monkeypatch):
+    """A step in which the oldest request claims more blocks than are free (as if it outgrew
+    its reservation) preempts the newest: recompute frees its whole reservation, swap moves it."""
+    eng = FakeEngine(num_kv_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                     max_model_len=32, kv_allocation="reserve-oracle", preemption_mode=mode,
+                     num_host_blocks=8)
+    old = eng.add("old", [1] * 6, max_tokens=6, arrival=0.0).seqs[0]
+    new = eng.add("new", [2] * 6, max_tokens=6, arrival=1.0).seqs[0]
+    eng.step()
+    eng.step()
+    blocks = reservation_blocks(eng, new)
+    assert eng.bm.num_used_blocks == 2 * blocks == 6
+    real = eng.scheduler._blocks_needed
+    forced = []
+
+    def claim_once(shares):
+        if not forced:
+            forced.append(True)
+            return real(shares) + eng.bm.num_free_blocks + 1
+        return real(shares)
+
+    monkeypatch.setattr(eng.scheduler, "_blocks_needed", claim_once)
+    eng.step()
+    assert [g.request_id for g in eng.steps[-1].preempted] == ["new"]
+    assert eng.bm.num_used_blocks == blocks and not eng.bm.is_resident(new.seq_id)
+    if mode == "swap":
+        assert eng.bm.num_host_blocks - eng.bm.num_free_host_blocks == blocks
+    else:
+        assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0
+    eng.step()
+    assert len(eng.bm.block_table(new.seq_id)) == blocks
+    eng.run()
+    assert old.output_token_ids == new.output_token_ids == expected_outputs(6)
+    eng.assert_clean()
 
 
 def outside_seq(eng: FakeEngine, prompt: list[int]) -> Sequence:

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from engine.serve import build_parser, parse_size, served_names
+from engine.serve import build_parser, engine_builder, parse_size, served_names
 
 
 def test_every_issue_flag_parses():
@@ -47,11 +47,26 @@ def test_parse_size_rejects(text):
 
 @pytest.mark.parametrize("argv", [["--block-size", "0"], ["--max-num-seqs", "-1"],
                                   ["--num-kv-blocks", "10", "--kv-cache-memory", "1G"],
-                                  ["--dtype", "int8"], ["--preemption-mode", "never"]])
+                                  ["--dtype", "int8"], ["--preemption-mode", "never"],
+                                  ["--kv-allocation", "reserve"]])
 def test_bad_flags_exit(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, policy", [([], "paged"),
+                                          (["--kv-allocation", "reserve-pow2"], "reserve-pow2")])
+def test_kv_allocation_reaches_the_engine_config(argv, policy, monkeypatch):
+    import engine.llm_engine
+    import engine.serve
+
+    built = []
+    monkeypatch.setattr(engine.llm_engine, "LLMEngine",
+                        lambda model, dtype, config: built.append(config) or config)
+    monkeypatch.setattr(engine.serve, "_log_engine", lambda engine: None)
+    engine_builder(build_parser().parse_args(argv))()
+    assert built[0].kv_allocation == policy
 
 
 def test_served_names():
