@@ -41,8 +41,8 @@ class LLM:
     `quantization` ("auto", "gguf" or "none": whether small batches multiply by a GGUF file's
     own quantized blocks; docs/quant.md; ignored for a `LoadedModel`), `kv_allocation` ("paged"
     or a contiguous-reservation baseline: "reserve-max", "reserve-pow2", "reserve-oracle"; see
-    engine/kv_allocation.py). `kv_fill`
-    (a testing aid) fills the KV cache with a value such as NaN.
+    engine/kv_allocation.py). `kv_fill` (a testing aid) fills the KV cache with a value such as
+    NaN.
     """
 
     def __init__(self, model: Union[str, None, LoadedModel] = None,

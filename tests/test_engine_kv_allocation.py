@@ -224,3 +224,16 @@ def test_requests_that_share_blocks_are_refused_under_a_reservation(loaded, poli
         llm.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=2))
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.kv_cache_manager.num_used_blocks == 0
+
+
+def test_a_request_whose_reservation_can_never_fit_is_refused(loaded):
+    """Under reserve-max every request needs max_model_len = 64 slots (16 blocks of 4)."""
+    llm = LLM(model=loaded, num_kv_blocks=15, block_size=4, max_model_len=64,
+              kv_allocation="reserve-max")
+    with pytest.raises(ValueError, match=r"num_kv_blocks: .* may need 16 blocks; expected a "
+                                         r"pool of at least that, got 15"):
+        llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    paged = LLM(model=loaded, num_kv_blocks=15, block_size=4, max_model_len=64)
+    assert len(paged.generate("Hello", SamplingParams(max_tokens=2),
+                              use_tqdm=False)[0].outputs[0].token_ids) == 2
