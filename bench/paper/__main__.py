@@ -65,7 +65,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="trace of the memory, batch and latency figures")
     ap.add_argument("--policies", type=_policies, default=KV_ALLOCATIONS,
                     help=f"comma-separated, from {','.join(KV_ALLOCATIONS)}")
-    ap.add_argument("--rate", type=_rate, help="requests/s of the memory and batch figures")
+    ap.add_argument("--rate", type=_rate,
+                    help="requests/s of the memory and batch figures on --dataset")
     ap.add_argument("--rates", type=_rates, help="comma-separated requests/s of the sweep")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-model", type=Path, default=STEP_MODEL_FILE)
@@ -82,7 +83,8 @@ def settings_of(args: argparse.Namespace) -> figures.Settings:
     settings = figures.SMOKE if args.smoke else figures.FULL
     changes = {}
     if args.rate is not None:
-        changes["memory_rate"] = args.rate
+        changes["memory_rates"] = tuple((d, args.rate if d == args.dataset else r)
+                                        for d, r in settings.memory_rates)
     if args.rates is not None:
         changes["sweep_rates"] = args.rates
     return figures.replace(settings, **changes) if changes else settings
@@ -141,10 +143,11 @@ def measure(args: argparse.Namespace, settings: figures.Settings, step_model: St
     policies, bs = args.policies, settings.block_size
     out: dict = {}
     for dataset in DATASETS:
-        requests = figures.trace(dataset, settings.memory_rate, settings.memory_requests,
-                                 settings, False, args.seed)
+        rate = settings.memory_rate(dataset)
+        requests = figures.trace(dataset, rate, settings.memory_requests, settings, False,
+                                 args.seed)
         out[f"memory_{dataset}"] = figures.memory_and_batch(
-            requests, policies,
+            requests, rate, policies,
             lambda t, p: figures.replay_run(t, p, settings, step_model), bs)
     out["latency"] = figures.latency_sweep(args.dataset, policies, settings, step_model,
                                            args.seed)
@@ -158,10 +161,11 @@ def measure(args: argparse.Namespace, settings: figures.Settings, step_model: St
         def real(t: list, policy: str):
             return engine_run.run_trace(engine_run.make_llm(policy, settings, loaded), t)
 
-        def beam(t: list, width: int):
+        def beam_run(t: list, width: int):
             llm = engine_run.make_llm("paged", settings, loaded, reduced=False)
             return engine_run.run_beam_search(llm, t, width)
 
+        beam = beam_run
         out.update(figures.reduced_scale(args.dataset, policies, settings, step_model, real,
                                          args.seed))
     out["sharing"] = figures.sharing(settings, step_model, beam, args.seed)

@@ -37,12 +37,14 @@ class Settings:
     reduced_scale: float = 4
     reduced_len: int = 512
     reduced_blocks: int = 245
-    memory_rate: float = 1.0        # requests/s, Fig. 2 / 13 replay at full length
+    # requests/s of Fig. 2 / 13 at full length per data set: above every policy's sustainable
+    # rate, so that memory binds (the pool, not the arrivals, limits the batch)
+    memory_rates: tuple[tuple[str, float], ...] = (("sharegpt", 1.0), ("alpaca", 10.0))
     memory_requests: int = 200
-    sweep_rates: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+    sweep_rates: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
     sweep_requests: int = 150
     latency_bound_factor: float = 5.0  # bound = factor x paged's latency at the lowest rate
-    engine_rate: float = 4.0        # requests/s, the real engine at the reduced scale
+    engine_rate: float = 20.0       # requests/s, real engine at the reduced scale (memory binds)
     engine_requests: int = 32
     sharing_rate: float = 2.0       # Alpaca-like, full length
     sharing_requests: int = 100
@@ -50,6 +52,9 @@ class Settings:
     beam_requests: int = 4          # real engine, one beam search per request
     agreement_share_pp: float = 5.0     # tolerance on the token share, percentage points
     agreement_batch_rel: float = 0.10   # tolerance on the mean batch, relative
+
+    def memory_rate(self, dataset: str) -> float:
+        return dict(self.memory_rates)[dataset]
 
     def config(self, policy: str, reduced: bool) -> EngineConfig:
         """The engine settings of a run under `policy`, at the reduced scale or full length."""
@@ -60,6 +65,8 @@ class Settings:
 
 
 FULL = Settings()
+#: Other latency bounds (x the lowest rate's latency) whose ratios the report also gives.
+BOUND_FACTORS = (3.0, 5.0, 10.0)
 SMOKE = replace(FULL, memory_requests=12, sweep_rates=(0.5, 4.0), sweep_requests=10,
                 engine_requests=4, engine_rate=50.0, sharing_requests=6, sharing_widths=(2,),
                 beam_requests=1, reduced_blocks=64, full_blocks=256)
@@ -79,12 +86,13 @@ def replay_run(requests: list[TraceRequest], policy: str, settings: Settings,
     return Replay(config, config.max_model_len, step_model).run(requests, n)
 
 
-def memory_and_batch(requests: list[TraceRequest], policies: tuple[str, ...],
+def memory_and_batch(requests: list[TraceRequest], rate: float, policies: tuple[str, ...],
                      run: Callable[[list[TraceRequest], str], RunRecord],
                      block_size: int) -> dict:
     """Fig. 2 and Fig. 13: each policy's run summary (token share, pool split, mean running
-    requests, latency) on the same trace; `run(trace, policy)` is the replay or the engine."""
-    return {"trace": trace_summary(requests),
+    requests, latency) on the same trace (drawn at `rate`); `run(trace, policy)` is the replay
+    or the engine."""
+    return {"trace": trace_summary(requests), "rate": rate,
             "policies": {p: run(requests, p).summary(block_size) for p in policies}}
 
 
@@ -100,12 +108,15 @@ def latency_sweep(dataset: str, policies: tuple[str, ...], settings: Settings,
             curves[p].append({"rate": rate, "mean": s["normalized_latency_mean"],
                               "p90": s["normalized_latency_p90"],
                               "mean_running": s["mean_running"]})
-    bound = settings.latency_bound_factor * curves[policies[0]][0]["mean"]
+    base = curves[policies[0]][0]["mean"]
+    bound = settings.latency_bound_factor * base
     return {"dataset": dataset, "kv_slots": settings.full_blocks * settings.block_size,
             "max_model_len": settings.full_len, "requests_per_rate": settings.sweep_requests,
             "bound_s_per_token": bound, "bound_rule": f"{settings.latency_bound_factor} x "
             f"{policies[0]}'s mean normalized latency at the lowest rate",
-            "curves": curves, "sustainable": sustainable_rates(curves, bound)}
+            "curves": curves, "sustainable": sustainable_rates(curves, bound),
+            "ratios_by_bound_factor": {f: sustainable_rates(curves, f * base)["ratios"]
+                                       for f in BOUND_FACTORS}}
 
 
 def sustainable_rate(curve: list[dict], bound: float) -> dict:
@@ -172,10 +183,11 @@ def reduced_scale(dataset: str, policies: tuple[str, ...], settings: Settings,
         samples.extend(steps)
         return record
 
-    real = memory_and_batch(requests, policies, real_run, settings.block_size)
+    real = memory_and_batch(requests, settings.engine_rate, policies, real_run,
+                            settings.block_size)
     replayed = memory_and_batch(
-        requests, policies, lambda t, p: replay_run(t, p, settings, step_model, reduced=True),
-        settings.block_size)
+        requests, settings.engine_rate, policies,
+        lambda t, p: replay_run(t, p, settings, step_model, reduced=True), settings.block_size)
     return {"engine_reduced": real, "replay_reduced": replayed,
             "agreement": agreement(real, replayed, settings),
             "step_model_error": {"mean_relative_error": step_model.relative_error(samples),

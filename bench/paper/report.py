@@ -113,8 +113,8 @@ def _step_model_section(results: dict) -> list[str]:
 def _memory_section(name: str, fig: dict) -> list[str]:
     t = fig["trace"]
     lines = [f"## {name}", "",
-             f"{t['num_requests']} requests, mean prompt {t['mean_prompt_len']:.1f}, mean "
-             f"output {t['mean_output_len']:.1f} tokens.", "",
+             f"{t['num_requests']} requests at {fig['rate']:g} req/s, mean prompt "
+             f"{t['mean_prompt_len']:.1f}, mean output {t['mean_output_len']:.1f} tokens.", "",
              "| policy | tokens / allocated | tokens | reserved unused | internal frag. | free "
              "| mean running | norm. latency mean / p90 (s/token) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -143,8 +143,13 @@ def _latency_section(lat: dict) -> list[str]:
     rates = lat["sustainable"]["rates"]
     lines += ["", "Sustainable rates (req/s): " + ", ".join(
         f"{p} {'>= ' if r['censored'] else ''}{_num(r['rate'], '.3f')}"
-        for p, r in rates.items()) + ".", ""]
-    return lines
+        for p, r in rates.items()) + ".", "",
+        "The ratios under other bounds (x the same lowest-rate latency):", ""]
+    for factor, ratios in lat["ratios_by_bound_factor"].items():
+        lines.append(f"- {factor:g}x: " + ", ".join(
+            f"{k} {_num(v['ratio'])}{' (censored)' if v['censored'] else ''}"
+            for k, v in ratios.items()))
+    return lines + [""]
 
 
 def _sharing_section(share: dict) -> list[str]:
