@@ -129,7 +129,8 @@ def run(args: argparse.Namespace, loaded=None) -> dict:
             return {}
     step_model = load_step_model(args.step_model)
     results: dict = {"environment": environment(args), "settings": asdict(settings),
-                     "step_model": {**asdict(step_model), "file": str(args.step_model)},
+                     "step_model": {**asdict(step_model),
+                                    "file": os.path.relpath(args.step_model)},
                      "dataset": args.dataset, "policies": list(args.policies)}
     results["figures"] = measure(args, settings, step_model, loaded)
     report.write(args.out, results)

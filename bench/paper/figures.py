@@ -37,8 +37,9 @@ class Settings:
     reduced_scale: float = 4
     reduced_len: int = 512
     reduced_blocks: int = 245
-    # requests/s of Fig. 2 / 13 at full length per data set: above every policy's sustainable
-    # rate, so that memory binds (the pool, not the arrivals, limits the batch)
+    # requests/s of Fig. 2 / 13 at full length per data set: above the sustainable rates of
+    # the latency sweep, so that the batch is not limited by arrivals (the ShareGPT-like trace
+    # fills the pool under every policy)
     memory_rates: tuple[tuple[str, float], ...] = (("sharegpt", 1.0), ("alpaca", 10.0))
     memory_requests: int = 200
     sweep_rates: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
