@@ -1,6 +1,6 @@
 """`python -m bench.paper`: its traces, step model and replay against independent arithmetic,
-the replay against the real engine step by step, the `--smoke` run's report and invariants, and
-its command-line errors."""
+the replay against the real engine step by step, the `--smoke` runs' reports and invariants
+(the memory figures, then the serving figures 16, 18, 19), and its command-line errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.paper import figures
+from bench.paper import figures, serving
 from bench.paper.__main__ import parse_args, run
 from bench.paper.engine_run import make_llm, run_trace
 from bench.paper.replay import Replay
@@ -109,7 +109,7 @@ def test_replay_reproduces_the_engine_step_by_step(loaded):
 
 # ------------------------------------------------------------------------ --smoke
 def test_smoke_run_writes_the_report(tmp_path, loaded):
-    args = parse_args(["--out", str(tmp_path), "--smoke"])
+    args = parse_args(["--out", str(tmp_path), "--smoke", "--figures", "2,12,13,15"])
     results = run(args, loaded=loaded)
     for name in ("report.md", "results.json", "fig2_memory.png", "fig12_latency.png",
                  "fig13_batch.png", "fig15_sharing.png"):
@@ -132,6 +132,82 @@ def test_smoke_run_writes_the_report(tmp_path, loaded):
         assert figs["sharing"][kind] and all(0 < v < 1 for v in figs["sharing"][kind].values())
 
 
+def test_smoke_run_of_the_serving_figures(tmp_path, loaded):
+    """Fig. 16, 18, 19 on tiny traces: the report, the prefix cache's hit rate with caching on
+    and off, every block size run to the end, and preemptions under the small budget in both
+    modes, each preempted token recomputed once (recompute) or copied (swap)."""
+    args = parse_args(["--out", str(tmp_path), "--smoke", "--figures", "19,16,18"])
+    assert args.figures == ("16", "18", "19")
+    figs = run(args, loaded=loaded)["figures"]
+    assert set(figs) == {"shared_prefix", "block_size", "preemption"}
+    text = (tmp_path / "report.md").read_text()
+    for label in ("Fig. 16", "Fig. 18", "Fig. 19"):
+        assert label in text, label
+    assert "Fig. 2 " not in text
+    for name in ("fig16_shared_prefix.png", "fig18_block_size.png", "fig19_preemption.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    for shots, r in figs["shared_prefix"]["shots"].items():
+        assert r["shared_prefix_len"] >= 16 * shots  # the examples are shared, ~80 tokens each
+        assert 0 < r["on"]["hit_rate"] <= 1 and r["off"]["hit_rate"] == 0
+        assert r["on"]["prefix_cache_queries"] == r["off"]["prefix_cache_queries"] \
+            == r["trace"]["num_requests"] * r["trace"]["mean_prompt_len"]
+        assert r["on"]["unfinished"] == r["off"]["unfinished"] == 0
+        assert r["throughput_ratio"] > 0
+    for d in figs["block_size"]["datasets"].values():
+        assert list(d["block_sizes"]) == list(serving.SERVING_SMOKE.block_sizes)
+        assert d["best"] in d["block_sizes"]
+        assert all(r["unfinished"] == 0 and 0 < r["token_share"] <= 1
+                   for r in d["block_sizes"].values())
+    modes = figs["preemption"]["modes"]
+    recompute, swap = modes["recompute"][16], modes["swap"][16]
+    assert recompute["preemptions"] > 0 and swap["preemptions"] > 0
+    assert recompute["preempted_tokens"]["swap"] == 0
+    assert recompute["recomputed_tokens"] == recompute["preempted_tokens"]["recompute"] > 0
+    assert swap["preempted_tokens"]["swap"] > 0 and swap["swap_seconds"] > 0
+    assert swap["recomputed_tokens"] == swap["preempted_tokens"]["recompute"] == 0
+    assert recompute["seconds_per_token"] > 0 and swap["seconds_per_token"] > 0
+    assert all(r["unfinished"] == 0 for m in modes.values() for r in m.values())
+
+
+def test_preemption_meter_counts_against_hand_written_steps():
+    """Two sequences: `a` computes 30 tokens, is preempted by recompute, recomputes them in
+    two chunks; `b` is swapped out at 12 tokens and resumes at 12 (nothing recomputed)."""
+    from engine.request import SequenceStatus
+
+    class Seq:
+        def __init__(self, seq_id):
+            self.seq_id, self.num_computed_tokens = seq_id, 0
+            self.status = SequenceStatus.RUNNING
+
+    class Out:
+        def __init__(self, scheduled, preempted=()):
+            self.scheduled, self.preempted = scheduled, list(preempted)
+            self.num_batched_tokens = sum(n for _, n in scheduled)
+
+    class Group:
+        def __init__(self, *seqs):
+            self.seqs = list(seqs)
+
+    a, b = Seq(1), Seq(2)
+    meter = serving.PreemptionMeter()
+
+    def step(scheduled, preempted=()):
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+        meter.on_step(Out(scheduled, preempted))
+
+    step([(a, 30), (b, 12)])
+    a.num_computed_tokens, a.status = 0, SequenceStatus.WAITING   # recompute
+    b.status = SequenceStatus.SWAPPED
+    step([], [Group(a), Group(b)])
+    a.status = b.status = SequenceStatus.RUNNING
+    step([(a, 20), (b, 1)])
+    step([(a, 11)])  # 10 recomputed, 1 new
+    assert meter.preempted_tokens == {"recompute": 30, "swap": 12}
+    assert meter.step_recomputed == [0, 0, 20, 10]
+    assert meter.recompute_seconds([1.0, 1.0, 2.1, 1.1]) == pytest.approx(2.0 + 1.0)
+
+
 # --------------------------------------------------------------------- CLI errors
 @pytest.mark.parametrize("argv, named", [
     (["--out", "x", "--rate", "0"], "argument --rate: expected a number of requests per "
@@ -142,6 +218,11 @@ def test_smoke_run_writes_the_report(tmp_path, loaded):
                                                         "from"),
     (["--out", "x", "--dataset", "wiki"], "argument --dataset: invalid choice: 'wiki'"),
     ([], "argument --out: expected an output folder"),
+    (["--out", "x", "--figures", "16,17"], "argument --figures: expected names from "
+                                          "2,12,13,15,16,18,19, got '17'"),
+    (["--out", "x", "--no-engine", "--figures", "2,18"], "argument --figures: expected only "
+                                                         "memory figures with --no-engine, "
+                                                         "got 18"),
 ])
 def test_bad_arguments_are_named(argv, named, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -11,8 +11,15 @@
 - Fig. 15: the KV blocks saved by sharing, for parallel sampling and beam search;
 - the agreement of the real engine and the replay on the same trace at a reduced scale.
 
+and, on the real engine at the reduced scale (`serving`):
+
+- Fig. 16: throughput and prefix-cache hit rate of few-shot prompts with prefix caching on and off;
+- Fig. 18: normalized latency at a fixed rate for block sizes 1-256, the KV slots fixed;
+- Fig. 19: time per preempted token, by recompute and by swap, for block sizes 1-256.
+
 Modules: `traces` (the workloads), `step_model` (the replay's clock), `replay` (the real scheduler
 and KV cache manager without the model), `engine_run` (the same on the real engine), `record`
-(what a run records and the numbers taken from it), `figures` (the experiments), `report`
-(report.md, JSON, plots), `__main__` (the command line).
+(what a run records and the numbers taken from it), `figures` (the memory experiments),
+`serving` (Fig. 16, 18, 19), `report` and `serving_report` (report.md, JSON, plots), `__main__`
+(the command line; `--figures` selects).
 """

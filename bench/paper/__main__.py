@@ -1,5 +1,8 @@
-"""`python -m bench.paper --out DIR [--smoke] [--no-engine]` and `python -m bench.paper --fit`.
+"""`python -m bench.paper --out DIR [--smoke] [--no-engine] [--figures 2,16,...]` and
+`python -m bench.paper --fit`.
 
+`--figures` selects what is measured (default: all): 2, 12, 13 and 15 (the memory figures, run
+together: naming any runs all four), 16, 18, 19 (`bench.paper.serving`, on the real engine).
 A run writes DIR/report.md (the paper's number beside ours for each figure, with the command),
 DIR/results.json and DIR/fig*.png. `--fit` measures the real engine's steps at the reduced scale
 and stores the fitted step model (bench/paper/step_model.json, or `--step-model PATH`).
@@ -24,7 +27,7 @@ import torch
 
 from engine.config import KV_ALLOCATIONS
 
-from bench.paper import figures, report
+from bench.paper import figures, report, serving
 from bench.paper.step_model import (STEP_MODEL_FILE, StepTimeModel, load_step_model,
                                     save_step_model)
 from bench.paper.traces import DATASETS
@@ -52,6 +55,20 @@ def _policies(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[1]) from None
 
 
+#: The memory figures (run together by `measure`), then those of `bench.paper.serving`.
+MEMORY_FIGURES = ("2", "12", "13", "15")
+ALL_FIGURES = MEMORY_FIGURES + serving.FIGURES
+
+
+def _figures(text: str) -> tuple[str, ...]:
+    names = [t.strip() for t in text.split(",")]
+    for name in names:
+        if name not in ALL_FIGURES:
+            raise argparse.ArgumentTypeError(f"expected names from {','.join(ALL_FIGURES)}, "
+                                             f"got {name!r}")
+    return tuple(f for f in ALL_FIGURES if f in names)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """The command line; bad values exit through argparse's error (naming the argument)."""
     ap = argparse.ArgumentParser(prog="python -m bench.paper", description=__doc__,
@@ -60,7 +77,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="tiny traces, seconds")
     ap.add_argument("--fit", action="store_true",
                     help="measure the engine's steps and store the fitted step model")
-    ap.add_argument("--no-engine", action="store_true", help="replay only (no model)")
+    ap.add_argument("--no-engine", action="store_true",
+                    help="replay only (no model; only the memory figures)")
+    ap.add_argument("--figures", type=_figures, default=ALL_FIGURES,
+                    help=f"comma-separated, from {','.join(ALL_FIGURES)} (default: all)")
     ap.add_argument("--dataset", choices=sorted(DATASETS), default="sharegpt",
                     help="trace of the memory, batch and latency figures")
     ap.add_argument("--policies", type=_policies, default=KV_ALLOCATIONS,
@@ -75,6 +95,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.out is None and not args.fit:
         ap.error("argument --out: expected an output folder (or --fit), got none")
+    wanted = [f for f in args.figures if f in serving.FIGURES]
+    if args.no_engine and wanted:
+        ap.error(f"argument --figures: expected only memory figures with --no-engine, got "
+                 f"{','.join(wanted)}")
     return args
 
 
@@ -127,12 +151,22 @@ def run(args: argparse.Namespace, loaded=None) -> dict:
         fit(args, settings, loaded)
         if args.out is None:
             return {}
-    step_model = load_step_model(args.step_model)
+    serving_settings = serving.SERVING_SMOKE if args.smoke else serving.SERVING_FULL
     results: dict = {"environment": environment(args), "settings": asdict(settings),
-                     "step_model": {**asdict(step_model),
-                                    "file": os.path.relpath(args.step_model)},
-                     "dataset": args.dataset, "policies": list(args.policies)}
-    results["figures"] = measure(args, settings, step_model, loaded)
+                     "serving_settings": asdict(serving_settings),
+                     "dataset": args.dataset, "policies": list(args.policies),
+                     "figures_selected": list(args.figures), "figures": {}}
+    if any(f in MEMORY_FIGURES for f in args.figures):
+        step_model = load_step_model(args.step_model)
+        results["step_model"] = {**asdict(step_model), "file": os.path.relpath(args.step_model)}
+        results["figures"] = measure(args, settings, step_model, loaded)
+    if any(f in serving.FIGURES for f in args.figures):
+        if loaded is None:
+            from bench.paper import engine_run
+
+            loaded = engine_run.load(args.dtype)
+        results["figures"].update(serving.measure(args.figures, loaded, serving_settings,
+                                                  args.seed))
     report.write(args.out, results)
     return results
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
@@ -54,10 +54,12 @@ def hooked_execute_step(llm: LLM, after: Callable[[Any, int], None]) -> Iterator
         del engine.execute_step
 
 
-def run_trace(llm: LLM, trace: list[TraceRequest], n: int = 1
+def run_trace(llm: LLM, trace: list[TraceRequest], n: int = 1,
+              on_step: Optional[Callable[[Any], None]] = None
               ) -> tuple[RunRecord, list[StepSample]]:
     """Serves `trace` on `llm` (idle at the start) with `n` greedy samples of exactly each
-    request's output length; returns the run's record and its measured steps."""
+    request's output length; returns the run's record and its measured steps. `on_step(out)`,
+    when given, is called after each step's `execute_step(out)`, once per measured step."""
     engine = llm.llm_engine
     record, samples, seen = RunRecord(), [], {}
 
@@ -65,6 +67,8 @@ def run_trace(llm: LLM, trace: list[TraceRequest], n: int = 1
         seen.update(tokens=out.num_batched_tokens, context=context,
                     stats=engine.kv_cache_manager.memory_stats(),
                     running=len(engine.scheduler.running))
+        if on_step is not None:
+            on_step(out)
 
     pending = deque(sorted(trace, key=lambda r: r.arrival_s))
     clock = 0.0
@@ -136,6 +140,14 @@ def make_llm(policy: str, settings: "Settings", loaded: LoadedModel, reduced: bo
     config = settings.config(policy, reduced)
     llm = LLM(model=loaded, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
               max_model_len=config.max_model_len, kv_allocation=policy)
+    warm_up(llm)
+    return llm
+
+
+def make_engine(loaded: LoadedModel, **config: Any) -> LLM:
+    """An engine over `loaded` with `config` (keyword arguments of `LLM`: block size, KV
+    budget, prefix caching, preemption mode), warmed up (idle on return)."""
+    llm = LLM(model=loaded, **config)
     warm_up(llm)
     return llm
 

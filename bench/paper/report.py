@@ -2,8 +2,9 @@
 
 report.md opens with a table (figure, the paper's number, ours, the command that produced
 ours), then states the traces (distributions, source, scale), the KV budgets, the step model
-and the latency bound, then each figure's full numbers. The paper's numbers are those of Kwon et
-al., SOSP 2023 (Fig. 2, §6.2 / Fig. 12-13, §6.3 / Fig. 15).
+and the latency bound, then each measured figure's full numbers. The paper's numbers are those
+of Kwon et al., SOSP 2023 (Fig. 2, §6.2 / Fig. 12-13, §6.3 / Fig. 15; Fig. 16, 18 and 19 in
+`bench.paper.serving_report`). A run of some figures only reports those.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import math
 from pathlib import Path
 
+from bench.paper import serving_report
 from bench.paper.traces import DATASETS
 
 #: The paper's Fig. 2 share of KV memory holding tokens, per policy.
@@ -36,6 +38,13 @@ def table_rows(results: dict) -> list[tuple[str, str, str, str]]:
     figs = results["figures"]
     cmd = results["environment"]["command"]
     ds = results["dataset"]
+    rows = []
+    if f"memory_{ds}" in figs:
+        rows += _memory_rows(figs, ds, cmd)
+    return rows + serving_report.table_rows(figs, cmd)
+
+
+def _memory_rows(figs: dict, ds: str, cmd: str) -> list[tuple[str, str, str, str]]:
     rows = []
     mem = figs[f"memory_{ds}"]["policies"]
     for p, s in mem.items():
@@ -186,23 +195,34 @@ def markdown(results: dict) -> str:
     """The whole report.md."""
     env = results["environment"]
     figs = results["figures"]
-    lines = ["# The vLLM paper's memory experiments on this engine", "",
+    lines = ["# The vLLM paper's experiments on this engine", "",
              f"`{env['command']}` at commit {env['commit']}, {env['date_utc']} UTC; "
              f"{env['machine']}, torch {env['torch']} ({env['torch_threads']} threads, "
              f"{env['dtype']}).", "", summary_table(results), ""]
-    lines += _traces_section(results) + _step_model_section(results)
-    for ds in DATASETS:
-        lines += _memory_section(f"Fig. 2 and Fig. 13: memory and batch ({ds}, replay, full "
-                                 "length)", figs[f"memory_{ds}"])
-    lines += _latency_section(figs["latency"]) + _sharing_section(figs["sharing"])
-    lines += _agreement_section(figs)
+    lines += _traces_section(results)
+    if "latency" in figs:
+        lines += _step_model_section(results)
+        for ds in DATASETS:
+            lines += _memory_section(f"Fig. 2 and Fig. 13: memory and batch ({ds}, replay, "
+                                     "full length)", figs[f"memory_{ds}"])
+        lines += _latency_section(figs["latency"]) + _sharing_section(figs["sharing"])
+        lines += _agreement_section(figs)
+    lines += serving_report.sections(figs)
     return "\n".join(lines)
 
 
 def plots(results: dict, out: Path) -> list[str]:
-    """fig2_memory.png, fig12_latency.png, fig13_batch.png, fig15_sharing.png; the names."""
+    """fig2_memory.png, fig12_latency.png, fig13_batch.png, fig15_sharing.png (when measured),
+    then `serving_report.plots`; the names."""
     import matplotlib
     matplotlib.use("Agg")
+
+    figs = results["figures"]
+    names = _memory_plots(results, out) if "latency" in figs else []
+    return names + serving_report.plots(figs, out, _save)
+
+
+def _memory_plots(results: dict, out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     figs = results["figures"]
