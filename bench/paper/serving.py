@@ -6,8 +6,10 @@
   prefix_cache_queries` of the KV cache manager, counted over the run).
 - `block_size_latency` (Fig. 18): normalized latency (end-to-end seconds / output tokens, mean)
   at a fixed rate for each block size, the number of KV slots fixed.
-- `preemption` (Fig. 19): the same trace under a KV budget that forces preemptions, by
-  recompute and by swap, for each block size: the time per preempted token (`PreemptionMeter`).
+- `preemption` (Fig. 19): a trace of equal requests (a long prompt, a short output) under a KV
+  budget that forces preemptions at every block size (their sequences cross a block boundary
+  together when the pool is full), by recompute and by swap: the time per preempted token
+  (`PreemptionMeter`).
 
 Every run is a fresh engine over the same loaded model (`engine_run.make_engine`), clocked as
 `engine_run.run_trace` clocks it. Prefix caching is off in Fig. 18 and 19 (the paper's runs
@@ -76,10 +78,11 @@ class ServingSettings:
     block_size_slots: int = 2048
     block_size_rate: float = 20.0
     block_size_requests: tuple[tuple[str, int], ...] = (("sharegpt", 8), ("alpaca", 16))
-    preemption_len: int = 512       # max_model_len of the preemption runs
-    preemption_slots: int = 768     # > preemption_len: every request fits alone
+    preemption_slots: int = 768     # 3 requests' prompts at block size 256
     preemption_rate: float = 20.0
-    preemption_requests: int = 8    # ShareGPT-like
+    preemption_requests: int = 6
+    preemption_prompt_len: int = 240   # crosses 256 during the output
+    preemption_output_len: int = 24
 
     def usable_block_sizes(self, slots: int, max_len: int) -> tuple[int, ...]:
         """The block sizes up to `max_len` that divide `slots` (the slots stay fixed)."""
@@ -89,8 +92,8 @@ class ServingSettings:
 SERVING_FULL = ServingSettings()
 SERVING_SMOKE = ServingSettings(prefix_shots=(1,), prefix_requests=3, prefix_output_len=2,
                                 block_sizes=(16, 32), block_size_requests=(("alpaca", 3),),
-                                preemption_len=64, preemption_slots=64,
-                                preemption_requests=4, preemption_rate=1000.0)
+                                preemption_slots=64, preemption_requests=3,
+                                preemption_prompt_len=24, preemption_output_len=16)
 
 
 def few_shot_prompt(shots: int, index: int) -> str:
@@ -245,22 +248,33 @@ def preemption(loaded: LoadedModel, settings: ServingSettings, seed: int = 0) ->
     the swap copies' time over the tokens swapped out; by recompute, the recomputed tokens'
     share of their steps' time over the tokens preempted."""
     slots = settings.preemption_slots
-    trace = make_trace("sharegpt", settings.preemption_rate, settings.preemption_requests, seed,
-                       settings.scale, settings.preemption_len)
+    trace = preemption_trace(settings, seed)
     out: dict = {"rate": settings.preemption_rate, "kv_slots": slots,
-                 "max_model_len": settings.preemption_len,
                  "trace": trace_summary(trace), "modes": {}}
     for mode in ("recompute", "swap"):
         out["modes"][mode] = {bs: _preemption_run(loaded, trace, settings, mode, bs)
-                              for bs in settings.usable_block_sizes(slots, settings.preemption_len)}
+                              for bs in settings.usable_block_sizes(slots, settings.max_model_len)}
     return out
+
+
+def preemption_trace(settings: ServingSettings, seed: int = 0) -> list[TraceRequest]:
+    """Fig. 19's trace: Poisson arrivals at `preemption_rate`, uniform random prompts of
+    `preemption_prompt_len` tokens, outputs of `preemption_output_len`."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1 / settings.preemption_rate,
+                                         settings.preemption_requests))
+    return [TraceRequest(f"req-{i}", float(arrivals[i]),
+                         tuple(int(t) for t in rng.integers(0, 32000,
+                                                            settings.preemption_prompt_len)),
+                         settings.preemption_output_len)
+            for i in range(settings.preemption_requests)]
 
 
 def _preemption_run(loaded: LoadedModel, trace: list[TraceRequest], settings: ServingSettings,
                     mode: str, bs: int) -> dict:
     llm = engine_run.make_engine(loaded, block_size=bs,
                                  num_kv_blocks=settings.preemption_slots // bs,
-                                 max_model_len=settings.preemption_len,
+                                 max_model_len=settings.max_model_len,
                                  enable_prefix_caching=False, preemption_mode=mode)
     meter = PreemptionMeter()
     before = llm.llm_engine.scheduler.num_preemptions

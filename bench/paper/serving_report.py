@@ -98,9 +98,10 @@ def _block_size_section(fig: dict) -> list[str]:
 def _preemption_section(fig: dict) -> list[str]:
     t = fig["trace"]
     lines = ["## Fig. 19: recompute against swap (real engine)", "",
-             f"ShareGPT-like, {t['num_requests']} requests at {fig['rate']:g} req/s, "
-             f"`max_model_len` {fig['max_model_len']}, {fig['kv_slots']} KV slots at every block "
-             "size (so that requests are preempted), prefix caching off. Time per preempted "
+             f"{t['num_requests']} equal requests (prompt {t['max_prompt_len']}, output "
+             f"{t['max_output_len']} tokens) at {fig['rate']:g} req/s, {fig['kv_slots']} KV "
+             "slots at every block size (so that requests are preempted), prefix caching off. "
+             "Time per preempted "
              "token: by swap, the wall time of the KV cache's swap-out and swap-in copies over "
              "the tokens swapped out; by recompute, each step's measured time times the share of "
              "its tokens that recompute preempted K/V, summed, over the tokens preempted "
