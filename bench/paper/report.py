@@ -97,8 +97,12 @@ def _traces_section(results: dict) -> list[str]:
                      f"{d.input_sigma}), output log-normal (mean {d.output_mean}, sigma "
                      f"{d.output_sigma}); source: {d.source}.")
     lines += ["- Poisson arrivals; outputs of exactly the drawn length (`ignore_eos`); lengths "
-              "clipped to `max_model_len` (prompt < max_model_len, prompt + output <= it).",
-              f"- Full length: scale 1, `max_model_len` {s['full_len']}, {s['full_blocks']} "
+              "clipped to `max_model_len` (prompt < max_model_len, prompt + output <= it)."]
+    if "latency" not in results["figures"]:  # the serving figures state their own budgets
+        serving = results["serving_settings"]
+        return lines + [f"- The real engine's runs: lengths / {serving['scale']:g}, "
+                        f"`max_model_len` {serving['max_model_len']}.", ""]
+    lines += [f"- Full length: scale 1, `max_model_len` {s['full_len']}, {s['full_blocks']} "
               f"blocks of {s['block_size']} = {s['full_blocks'] * s['block_size']} KV slots "
               "(the paper's Table 1 budget for OPT-13B on one A100-40GB, 15.7K slots).",
               f"- Reduced scale (the real engine): lengths / {s['reduced_scale']:g}, "

@@ -17,7 +17,7 @@ PAPER_PREEMPTION = {"recompute": "flat across block sizes",
 
 
 def _ms(x: Optional[float]) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{1e3 * x:.2f}"
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{1e3 * x:.3g}"
 
 
 def table_rows(figs: dict, cmd: str) -> list[tuple[str, str, str, str]]:
