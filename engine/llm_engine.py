@@ -21,7 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
-from engine.kv_allocation import reserved_tokens
+from engine.kv_allocation import reserved_tokens, resolved_max_tokens
 from engine.kv_cache_manager import KVCacheManager
 from engine.model.loader import LoadedModel, load_model
 from engine.outputs import CompletionOutput, RequestOutput
@@ -134,11 +134,10 @@ class LLMEngine:
                              f"KV blocks), got {policy!r}")
 
     def _check_fits(self, prompt_len: int, max_tokens: Optional[int], num_seqs: int) -> None:
-        total = self.max_model_len if max_tokens is None else \
-            min(prompt_len + max_tokens, self.max_model_len)
-        reserved = reserved_tokens(self.config.kv_allocation, prompt_len,
-                                   total - prompt_len, self.max_model_len)
-        total = max(total, reserved or 0)
+        output = resolved_max_tokens(max_tokens, prompt_len, self.max_model_len)
+        reserved = reserved_tokens(self.config.kv_allocation, prompt_len, output,
+                                   self.max_model_len)
+        total = max(prompt_len + output, reserved or 0)
         blocks = num_seqs * -(-total // self.config.block_size)
         if blocks > self.kv_cache_manager.num_blocks:
             raise ValueError(f"num_kv_blocks: a request of {prompt_len} prompt tokens, "
