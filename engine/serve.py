@@ -15,6 +15,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from engine.config import KV_ALLOCATIONS, QUANTIZATION_MODES
+from engine.server import limits
 
 #: Environment variable read when --api-key is not given.
 API_KEY_ENV = "ENGINE_API_KEY"
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse (429) new requests while this many already wait")
     p.add_argument("--max-request-bytes", type=parse_size, default=4 << 20,
                    help="largest request body accepted (413 beyond), default 4MiB")
+    limits.add_arguments(p)
+    p.add_argument("--enable-debug-endpoints", action="store_true",
+                   help="serve /debug/check_integrity (engine internals; for tests and soaks, "
+                        "never in production)")
     p.add_argument("--num-threads", type=_positive, default=None,
                    help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="info",
@@ -160,6 +165,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_queue is not None and args.max_queue < 1:
         build_parser().error(f"--max-queue: expected an integer >= 1, got {args.max_queue}")
+    try:
+        server_limits = limits.from_args(args)
+    except ValueError as exc:
+        build_parser().error("--" + str(exc).replace("_", "-"))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
@@ -173,8 +182,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     metrics = ServerMetrics(names[0])
     engine = AsyncEngine(engine_builder(args), metrics, max_queue=args.max_queue)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = create_app(OpenAIServer(engine, names), api_key=api_key,
-                     max_request_bytes=args.max_request_bytes)
+    app = create_app(OpenAIServer(engine, names, server_limits), api_key=api_key,
+                     max_request_bytes=args.max_request_bytes,
+                     enable_debug_endpoints=args.enable_debug_endpoints)
     logger.info("serving %r on http://%s:%d (API key %s); loading the model", names[0],
                 args.host, args.port, "required" if api_key else "off")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.server import openapi
+from engine.server import debug, openapi
 from engine.server.errors import install_error_handlers
 from engine.server.metrics import CONTENT_TYPE
 from engine.server.middleware import GuardMiddleware
@@ -26,9 +26,10 @@ from engine.server.routes import OpenAIServer
 
 
 def create_app(server: OpenAIServer, api_key: Optional[str] = None,
-               max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
+               max_request_bytes: int = 4 * 1024 * 1024,
+               enable_debug_endpoints: bool = False) -> FastAPI:
     """The app for `server`; the engine thread starts with the app (lifespan) and stops with
-    it."""
+    it. `enable_debug_endpoints` adds the routes of `engine.server.debug`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -44,6 +45,8 @@ def create_app(server: OpenAIServer, api_key: Optional[str] = None,
     openapi.install(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_request_bytes)
     _add_routes(app, server)
+    if enable_debug_endpoints:
+        debug.install(app, server)
     return app
 
 

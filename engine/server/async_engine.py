@@ -200,6 +200,15 @@ class AsyncEngine:
             if not finished:
                 self._send("abort", request_id)
 
+    async def call_in_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(llm_engine)` run by the engine thread between two steps (where the engine's
+        state is consistent); its result, or its exception re-raised here."""
+        self.check_ready()
+        assert self._loop is not None
+        future: asyncio.Future = self._loop.create_future()
+        self._send("call", (fn, future))
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Asks the engine thread to abort `request_id` (no-op if it already finished)."""
         self._send("abort", request_id)
@@ -294,7 +303,27 @@ class AsyncEngine:
                 if self._trackers.pop(payload, None) is not None:
                     self.engine.abort_request(payload)
                     self.metrics.observe_finished("abort")
+            elif kind == "call":
+                self._call(*payload)
         return acks, num_added
+
+    def _call(self, fn: Callable[[Any], Any], future: asyncio.Future) -> None:
+        """Runs a `call_in_engine_thread` function and hands its outcome to the event loop."""
+        assert self._loop is not None
+
+        def settle(result: Any, exc: Optional[BaseException]) -> None:
+            if future.cancelled():
+                return
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        try:
+            result, exc = fn(self.engine), None
+        except Exception as err:  # handed to the caller
+            result, exc = None, err
+        self._loop.call_soon_threadsafe(settle, result, exc)
 
     def _step(self) -> list[tuple[str, RequestDelta]]:
         """One engine step; its outputs as deltas. A failing step fails every request in it

@@ -20,6 +20,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("engine.serve")
 
+#: Seconds a client is told to wait (`Retry-After`) before retrying after a 429 (the queue is
+#: full) or a 503 (loading, draining); sent unless the error names its own.
+RETRY_AFTER_S = {429: 1, 503: 5}
+
 #: HTTP status -> OpenAI's error `type`.
 _TYPES = {
     400: "invalid_request_error",
@@ -37,11 +41,13 @@ class APIError(Exception):
     """An error the client caused or must be told about: `status` (HTTP), `message` (what was
     expected and what was given), and `param`, the request field at fault (None if none)."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None) -> None:
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
 
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict[str, Any]:
@@ -52,8 +58,13 @@ def error_body(status: int, message: str, param: Optional[str] = None) -> dict[s
 
 def error_response(status: int, message: str, param: Optional[str] = None,
                    headers: Optional[dict[str, str]] = None) -> JSONResponse:
-    """A JSONResponse carrying `error_body(status, message, param)`."""
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+    """A JSONResponse carrying `error_body(status, message, param)`; a 429 or 503 carries
+    `Retry-After` (RETRY_AFTER_S) unless `headers` gives one."""
+    headers = dict(headers or {})
+    if status in RETRY_AFTER_S and not any(k.lower() == "retry-after" for k in headers):
+        headers["Retry-After"] = str(RETRY_AFTER_S[status])
+    return JSONResponse(error_body(status, message, param), status_code=status,
+                        headers=headers or None)
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, Optional[str]]:
@@ -83,7 +94,9 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, Optional[str
 
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    headers = dict(exc.headers or {})
+    if exc.status == 401:
+        headers.setdefault("WWW-Authenticate", "Bearer")
     return error_response(exc.status, exc.message, exc.param, headers)
 
 

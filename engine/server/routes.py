@@ -22,6 +22,7 @@ from engine.server import inputs
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import APIError
 from engine.server.jobs import ChatJob, CompletionJob
+from engine.server.limits import ServerLimits
 from engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,12 +34,14 @@ from engine.server.streaming import add_all, merge, sse_response, until_disconne
 
 class OpenAIServer:
     """The endpoints' logic for one served model. `model_names`: the names a request may use
-    (the first is the one reported)."""
+    (the first is the one reported); `limits`: the per-request bounds (`engine.server.limits`)."""
 
-    def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncEngine, model_names: list[str],
+                 limits: Optional[ServerLimits] = None) -> None:
         assert model_names, "at least one served model name"
         self.engine = engine
         self.model_names = model_names
+        self.limits = limits or ServerLimits()
         self.created = int(time.time())
 
     @property
