@@ -10,9 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from engine import kv_scales
+
 PREEMPTION_MODES = ("recompute", "swap")
 KV_ALLOCATIONS = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")  # engine/kv_allocation
 QUANTIZATION_MODES = ("auto", "gguf", "gguf-int8", "none")  # see docs/quant.md
+KV_CACHE_DTYPES = tuple(kv_scales.KV_CACHE_DTYPES)
 
 
 def _require_int(name: str, value: object, minimum: int, allow_none: bool = False) -> None:
@@ -49,6 +52,11 @@ class EngineConfig:
       `max_tokens`) or "reserve-oracle" (prompt + `max_tokens`); see engine/kv_allocation.py.
       Under a reservation, prefix caching is off and requests that share blocks (`n > 1`, beam
       search) are refused.
+    - `kv_cache_dtype`: the KV cache's storage, vLLM's names: "auto" (the model's dtype),
+      "fp8" / "fp8_e4m3" (float8 e4m3fn), "fp8_e5m2" or "int8"; an 8-bit cache holds twice the
+      blocks of a 16-bit one in the same `kv_cache_memory_bytes`. Its scales (per layer, per KV
+      head) come from the model file, else from `calculate_kv_scales` (calibrated on the first
+      step's K/V), else 1.0 for fp8 (engine/kv_scales.py).
     """
 
     block_size: int = 16
@@ -63,6 +71,8 @@ class EngineConfig:
     backend: str = "auto"
     quantization: Optional[str] = "auto"
     kv_allocation: str = "paged"
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = True
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)
@@ -89,3 +99,9 @@ class EngineConfig:
         if self.kv_allocation not in KV_ALLOCATIONS:
             raise ValueError(f"kv_allocation: expected one of {KV_ALLOCATIONS}, got "
                              f"{self.kv_allocation!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError("calculate_kv_scales: expected a bool, got "
+                             f"{self.calculate_kv_scales!r}")

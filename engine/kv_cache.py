@@ -1,8 +1,11 @@
 """The paged KV cache tensors: one key and one value cache per layer, plus a host pool for swap.
 
-Each cache is `[num_blocks, num_kv_heads, block_size, head_dim]` in the model's dtype (the layout
-of docs/abi.md). The pool size is a block count, or derived from a memory budget in bytes.
-Block moves (copy-on-write copies, swap out, swap in) go through `paged_kernels.attention`.
+Each cache is `[num_blocks, num_kv_heads, block_size, head_dim]` in the cache's dtype: the
+model's, or an 8-bit one (float8 e4m3fn / e5m2, int8) with per-layer scales
+(engine/kv_scales.py), the layout of docs/abi.md. The pool size is a block count, or derived from
+a memory budget in bytes (an 8-bit cache fits twice the blocks of a 16-bit one). Block moves
+(copy-on-write copies, swap out, swap in) go through `paged_kernels.attention`; they move bytes,
+so the host pool has the device cache's dtype and the scales stay as they are.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.block_pool import BlockCopy
+from engine.kv_scales import LayerKVScales, is_quantized
 from paged_kernels.attention import copy_blocks, swap_blocks
 
 #: Budget used when neither a block count nor a byte budget is given.
@@ -59,6 +63,22 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
+def _check_scales(scales: Optional[list[LayerKVScales]], dtype: torch.dtype,
+                  num_layers: int) -> None:
+    if is_quantized(dtype) and (scales is None or len(scales) != num_layers):
+        got = None if scales is None else f"{len(scales)} layers"
+        raise ValueError(f"scales: expected one LayerKVScales per layer ({num_layers}) for a "
+                         f"{dtype} cache, got {got}")
+    if not is_quantized(dtype) and scales is not None:
+        raise ValueError(f"scales: expected None for a {dtype} cache, got {len(scales)} layers")
+
+
+def _check_fill(fill: Optional[float], dtype: torch.dtype) -> None:
+    if fill is not None and dtype == torch.int8 and not -128 <= fill <= 127:
+        raise ValueError(f"kv_fill: expected a value in [-128, 127] for an int8 cache (int8 has "
+                         f"no NaN), got {fill!r}")
+
+
 def _mapping(pairs: Sequence[BlockCopy]) -> torch.Tensor:
     return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
 
@@ -67,17 +87,24 @@ class KVCache:
     """Device caches (`kv_caches[i] = (key, value)` of layer `i`) and the host swap pool.
 
     `fill` (tests) writes that value (e.g. NaN) into every slot so that reading a slot never
-    written shows up in the results. By default a CPU pool is zeroed once here, which the ABI
-    does not need (unwritten slots are never read) but which takes every page's first-touch
-    fault at start-up instead of in the steps that first write a block (a first write_kv into
-    fresh pages cost ~4 ms a layer for 1365 tokens against ~0.3-1 ms into touched ones); other
-    devices' pools are left uninitialised.
+    written shows up in the results (an int8 cache has no NaN: give a value in [-128, 127]).
+    By default a CPU pool is zeroed once here, which the ABI does not need (unwritten slots are
+    never read) but which takes every page's first-touch fault at start-up instead of in the
+    steps that first write a block (a first write_kv into fresh pages cost ~4 ms a layer for
+    1365 tokens against ~0.3-1 ms into touched ones); other devices' pools are left
+    uninitialised. `dtype` is the caches' storage type; `scales` (`scales[i]` for layer `i`,
+    engine/kv_scales.py) is required with an 8-bit `dtype` and None otherwise.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  num_host_blocks: int = 0, backend: str = "auto",
-                 fill: Optional[float] = None) -> None:
+                 fill: Optional[float] = None,
+                 scales: Optional[list[LayerKVScales]] = None) -> None:
+        _check_scales(scales, dtype, num_layers)
+        _check_fill(fill, dtype)
+        self.dtype = dtype
+        self.scales = scales
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks

@@ -22,6 +22,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
 from engine.kv_allocation import reserved_tokens, resolved_max_tokens
+from engine.kv_scales import kv_cache_dtype, make_kv_scales
 from engine.kv_cache_manager import KVCacheManager
 from engine.model.loader import LoadedModel, load_model
 from engine.outputs import CompletionOutput, RequestOutput
@@ -31,6 +32,7 @@ from engine.sampler import Sampler, SamplingState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
+from engine.stop_strings import StopMatch
 from engine.tokenizer import IncrementalDetokenizer
 
 
@@ -53,6 +55,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.device = torch.device(device)
         self.dtype = next(self.loaded.model.parameters()).dtype
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
         num_blocks = self._resolve_num_blocks()
         num_host = config.num_host_blocks
@@ -60,9 +63,12 @@ class LLMEngine:
             num_host = num_blocks if config.preemption_mode == "swap" else 0
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, num_host,
                                                config.enable_prefix_caching, config.kv_allocation)
+        scales = make_kv_scales(self.kv_cache_dtype, mc.num_hidden_layers,
+                                mc.num_key_value_heads, self.device,
+                                self.loaded.model.kv_scales_from_file, config.calculate_kv_scales)
         self.kv_cache = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                num_blocks, config.block_size, self.dtype, self.device,
-                                num_host, config.backend, kv_fill)
+                                num_blocks, config.block_size, self.kv_cache_dtype, self.device,
+                                num_host, config.backend, kv_fill, scales)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.backend, self.device)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
@@ -84,7 +90,7 @@ class LLMEngine:
         mc = self.model_config
         budget = self.config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
         return num_blocks_for_budget(budget, mc.num_hidden_layers, mc.num_key_value_heads,
-                                     mc.head_dim, self.config.block_size, self.dtype)
+                                     mc.head_dim, self.config.block_size, self.kv_cache_dtype)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -155,6 +161,10 @@ class LLMEngine:
                                            generator=seq.group.generator)
         if params.logprobs is not None and seq.logprobs is None:
             seq.logprobs = []
+        matcher = params.stop_matcher
+        seq.stop_scanner = matcher.scanner() if matcher is not None else None
+        if seq.stop_scanner is not None and seq.text:
+            seq.stop_scanner.feed(seq.text)  # a fork goes on from its parent's text
 
     def abort_request(self, request_id: str) -> None:
         """Stops the request wherever it is and frees its blocks; unknown ids are ignored."""
@@ -235,6 +245,8 @@ class LLMEngine:
         token = seq.output_token_ids[-1]
         delta = seq.detokenizer.add(token)
         seq.text += delta
+        # every delta goes through the scanner (a stop string may begin before min_tokens)
+        stop = seq.stop_scanner.feed(delta) if seq.stop_scanner is not None and delta else None
         num_out = len(seq.output_token_ids)
         status = None
         if num_out >= params.min_tokens:
@@ -242,7 +254,8 @@ class LLMEngine:
                 status = SequenceStatus.FINISHED_STOPPED
             elif params.stop_token_ids and token in params.stop_token_ids:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-            elif delta and params.stop and self._check_stop_strings(seq, len(delta)):
+            elif stop is not None:
+                self._cut_at_stop_string(seq, len(delta), stop)
                 status = SequenceStatus.FINISHED_STOPPED
         if status is None and ((params.max_tokens is not None and num_out >= params.max_tokens)
                                or seq.num_tokens >= self.max_model_len):
@@ -250,19 +263,13 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish_seq(seq, status)
 
-    def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
-        """Finds a stop string ending in the new text; truncates `seq.text` there if so."""
-        params = seq.group.params
-        stops = [params.stop] if isinstance(params.stop, str) else params.stop
-        for stop in stops:
-            start = max(0, len(seq.text) - delta_len - len(stop) + 1)
-            at = seq.text.find(stop, start)
-            if at != -1:
-                end = at + len(stop) if params.include_stop_str_in_output else at
-                seq.text = seq.text[:end]
-                seq.stop_reason = stop
-                return True
-        return False
+    def _cut_at_stop_string(self, seq: Sequence, delta_len: int, stop: StopMatch) -> None:
+        """Truncates `seq.text` at the stop string that ended in its last `delta_len`
+        characters (after it with `include_stop_str_in_output`) and records it."""
+        end = len(seq.text) - delta_len + stop.end
+        seq.text = seq.text[:end if seq.group.params.include_stop_str_in_output
+                            else end - len(stop.stop)]
+        seq.stop_reason = stop.stop
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         outputs = [CompletionOutput(index=s.index, text=s.text,

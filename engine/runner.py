@@ -108,7 +108,7 @@ class ModelRunner:
         inputs = build_inputs(scheduled, block_tables, self.kv_cache.block_size, self.backend,
                               self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.device_caches,
-                            inputs.meta)
+                            inputs.meta, self.kv_cache.scales)
         if not inputs.sampled_seqs:
             return [], None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["LAYER_TENSORS", "fused_parts"]
+__all__ = ["LAYER_TENSORS", "KV_SCALE_TENSORS", "fused_parts"]
 
 #: Checkpoint sub-name -> (fused parameter, index of its part, or None when not fused).
 LAYER_TENSORS: dict[str, tuple[str, Optional[int]]] = {
@@ -19,6 +19,14 @@ LAYER_TENSORS: dict[str, tuple[str, Optional[int]]] = {
     "mlp.gate_proj": ("gate_up_proj", 0),
     "mlp.up_proj": ("gate_up_proj", 1),
     "mlp.down_proj": ("down_proj", None),
+}
+
+#: Checkpoint sub-name of a KV cache scale (fp8 checkpoints: a scalar per layer, or one per KV
+#: head) -> which scales it sets ("kv_scale", an older name, sets both).
+KV_SCALE_TENSORS: dict[str, tuple[str, ...]] = {
+    "self_attn.k_scale": ("k",),
+    "self_attn.v_scale": ("v",),
+    "self_attn.kv_scale": ("k", "v"),
 }
 
 

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kv_scales import LayerKVScales, file_scales_from
 from engine.model import layer_ops
-from engine.model.checkpoint_names import LAYER_TENSORS
+from engine.model.checkpoint_names import KV_SCALE_TENSORS, LAYER_TENSORS
 from engine.model.metadata import AttentionMetadata
 from engine.model.quant import QuantizedWeight, quantized_linear
 from engine.model.quant_int8 import int8_linear
@@ -160,32 +161,39 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = param(h, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rotary: Rotary,
-                kv_cache: KVCache, attn: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: KVCache, attn: AttentionPlan,
+                kv_scales: Optional[LayerKVScales] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden` `[T, hidden_size]` is the previous block's output before its residual add,
         `residual` the residual stream (None for the first block, whose `hidden` is the
         embeddings). Returns `(output, residual)` the same way (the residual is updated in
         place, so each add is fused with the next norm); writes this step's K/V to `kv_cache`
-        at the plan's slots."""
+        at the plan's slots, with `kv_scales` for an 8-bit cache (None for a float one)."""
         if residual is None:
             residual = hidden
             x = layer_ops.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
             x = layer_ops.add_rms_norm_(residual, hidden, self.input_layernorm, self.eps)
         x = layer_ops.add_rms_norm_(residual,
-                                    self._attention(x, rotary, kv_cache, attn),
+                                    self._attention(x, rotary, kv_cache, attn, kv_scales),
                                     self.post_attention_layernorm, self.eps)
         gate_up = _linear(x, self.gate_up_proj)
         return _linear(layer_ops.silu_mul(gate_up), self.down_proj), residual
 
     def _attention(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
-                   attn: AttentionPlan) -> torch.Tensor:
+                   attn: AttentionPlan, kv_scales: Optional[LayerKVScales]) -> torch.Tensor:
         num_tokens, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = _linear(x, self.qkv_proj).view(num_tokens, -1, self.head_dim)
         layer_ops.rotary_(qkv, nh + nkv, *rotary)  # q and k, in place (qkv is ours)
         # strided row views: write_kv honours any strides with a contiguous last dimension
+        key, value = qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
         k_cache, v_cache = kv_cache
-        attn.write_kv(qkv[:, nh:nh + nkv], qkv[:, nh + nkv:], k_cache, v_cache)
-        out = attn.run(qkv[:, :nh], k_cache, v_cache)
+        if kv_scales is None:
+            attn.write_kv(key, value, k_cache, v_cache)
+            out = attn.run(qkv[:, :nh], k_cache, v_cache)
+        else:
+            k_scale, v_scale = kv_scales.for_step(key, value)
+            attn.write_kv(key, value, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
+            out = attn.run(qkv[:, :nh], k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
         return _linear(out.reshape(num_tokens, -1), self.o_proj)
 
 
@@ -200,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.packed = False
+        #: The checkpoint's KV cache scales, `(k_scale, v_scale)` per layer (float32, one
+        #: element or `[num_kv_heads]`), or None; set by `load_weights`.
+        self.kv_scales_from_file: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False)
@@ -216,22 +227,29 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rotary_sin", sin.to(device), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                kv_scales: Optional[list[LayerKVScales]] = None) -> torch.Tensor:
         """Runs `input_ids` (int64 `[T]`) at `positions` (int64 `[T]`, each
         `< max_position_embeddings`) through every layer; `kv_caches[i]` is layer `i`'s
         `(key_cache, value_cache)`, each `[num_blocks, num_kv_heads, block_size, head_dim]` in
-        the model dtype. Returns the final-normed hidden states `[T, hidden_size]`; pass the rows
-        that need logits to `compute_logits`."""
+        the model dtype or an 8-bit one, whose scales are `kv_scales[i]` (engine/kv_scales.py;
+        pending ones are calibrated on this step's K/V). Returns the final-normed hidden states
+        `[T, hidden_size]`; pass the rows that need logits to `compute_logits`."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} (key, value) pairs, one "
                              f"per layer, got {len(kv_caches)}")
+        if kv_scales is not None and len(kv_scales) != len(self.layers):
+            raise ValueError(f"kv_scales: expected {len(self.layers)} LayerKVScales, one per "
+                             f"layer, got {len(kv_scales)}")
         rotary = (positions, self.rotary_cos, self.rotary_sin)
         attn = self.plan_attention(meta, input_ids.shape[0], kv_caches[0][0])
         hidden = F.embedding(input_ids, self.embed_tokens)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        scales = kv_scales or [None] * len(self.layers)
+        for layer, kv_cache, layer_scales in zip(self.layers, kv_caches, scales):
             # .forward: no module hooks are used, and nn.Module.__call__ costs ~3 us a layer
-            hidden, residual = layer.forward(hidden, residual, rotary, kv_cache, attn)
+            hidden, residual = layer.forward(hidden, residual, rotary, kv_cache, attn,
+                                             layer_scales)
         return layer_ops.add_rms_norm_(residual, hidden, self.norm, self.config.rms_norm_eps)
 
     def plan_attention(self, meta: AttentionMetadata, num_tokens: int,
@@ -277,13 +295,17 @@ class LlamaForCausalLM(nn.Module):
         q_proj.weight`, ...) into the fused parameters, converting to the model dtype.
 
         Raises ValueError for an unknown name or a wrong shape, and when a parameter is left
-        unloaded (`lm_head.weight` is optional when the embedding is tied).
+        unloaded (`lm_head.weight` is optional when the embedding is tied). KV cache scales
+        (`self_attn.k_scale` / `v_scale` / `kv_scale`) go to `kv_scales_from_file`.
         """
         if self.packed:
             raise RuntimeError("load_weights: the weights were packed for inference "
                                "(pack_weights); load into a fresh model")
         loaded: set[str] = set()
+        found_scales: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
+            if self._kv_scale(name, tensor, found_scales):
+                continue
             target, rows = self._locate(name)
             if target is None:
                 if name.endswith("rotary_emb.inv_freq"):
@@ -299,6 +321,22 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights: missing tensors {missing[:6]}"
                              f"{' ...' if len(missing) > 6 else ''} ({len(missing)} in all)")
+        c = self.config
+        self.kv_scales_from_file = file_scales_from(found_scales, c.num_hidden_layers,
+                                                    c.num_key_value_heads)
+
+    def _kv_scale(self, name: str, tensor: torch.Tensor,
+                  found: dict[int, dict[str, torch.Tensor]]) -> bool:
+        """Records a KV cache scale tensor (`model.layers.N.self_attn.k_scale`, ...) in
+        `found[N]`; False for any other name."""
+        parts = name.split(".")
+        key = ".".join(parts[3:])
+        if (len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit()
+                or key not in KV_SCALE_TENSORS or int(parts[2]) >= len(self.layers)):
+            return False
+        for which in KV_SCALE_TENSORS[key]:
+            found.setdefault(int(parts[2]), {})[which] = tensor
+        return True
 
     def _expected_names(self) -> list[str]:
         names = ["model.embed_tokens.weight", "model.norm.weight"]
