@@ -26,12 +26,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """One server subprocess; `args` are extra command-line flags."""
+    """One server subprocess; `args` are extra command-line flags. `launcher`: the command
+    that starts the server (default `python -m engine.serve`); `host`: the address to bind."""
 
-    def __init__(self, *args: str, env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, *args: str, env: Optional[dict[str, str]] = None,
+                 launcher: Optional[list[str]] = None, host: str = "127.0.0.1") -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.args = ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.args = ["--host", host, "--port", str(self.port), *args]
+        self.launcher = launcher or [sys.executable, "-m", "engine.serve"]
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
         self.proc: Optional[subprocess.Popen] = None
@@ -42,7 +45,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 600.0, early_headers: Optional[dict] = None
               ) -> "ServerProcess":
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.serve", *self.args],
+        self.proc = subprocess.Popen([*self.launcher, *self.args],
                                      cwd=REPO, env=self.env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

@@ -10,6 +10,13 @@ serves HTTP while a step computes.
 
 A consumer that stops early (client disconnect, cancelled task) aborts its request, which frees
 its KV blocks on the next loop turn.
+
+Faults: a step that raises an `Exception` fails every request in flight (a 500 each) and the
+loop goes on. A `BaseException` that ends the engine thread (a fault injected into it, say) is
+noticed by a supervisor task on the event loop: it fails the requests in flight and pending
+engine calls with a 500, and starts a new engine thread, which first aborts every request the
+engine still holds (freeing their KV blocks), then loops. While no thread is alive, `check_ready`
+answers 503. Both paths depend only on what reaches the loop, not on how the fault got there.
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ from engine.server.errors import APIError
 from engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger("engine.serve")
+
+#: How often the supervisor checks that the engine thread is alive.
+SUPERVISE_INTERVAL_S = 0.05
+#: What a request in flight gets when the engine fails under it.
+_ENGINE_FAILED = "the engine failed while running this request; see the server log"
 
 
 @dataclass
@@ -124,7 +136,10 @@ class AsyncEngine:
         self._stopping = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
+        self._supervisor: Optional[asyncio.Task] = None
+        self._closed: Optional[APIError] = None  # set by close(): refuse new requests with it
         self._queues: dict[str, asyncio.Queue] = {}
+        self._calls: set[asyncio.Future] = set()  # call_in_engine_thread results not yet set
         self._trackers: dict[str, _Tracker] = {}  # engine thread only
         self._num_pending = 0  # adds not yet seen by the engine (event-loop side)
         self._num_waiting = 0  # from the last stats snapshot
@@ -135,17 +150,62 @@ class AsyncEngine:
         return self._ready.is_set() and self.load_error is None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Starts the engine thread (it builds the engine first, then loops)."""
+        """Starts the engine thread (it builds the engine first, then loops) and, on `loop`,
+        the supervisor that restarts the loop if its thread dies."""
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._thread = self._spawn(self._run)
+        self._supervisor = loop.create_task(self._supervise())
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops the engine loop (and its supervisor); waits up to `timeout` s for the thread."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        if self._supervisor is not None:
+            self._supervisor.cancel()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def close(self, error: APIError) -> None:
+        """Ends every request in flight with `error` (their engine requests are aborted, which
+        frees their KV blocks) and refuses every later one with it: the last act of a drain."""
+        self._closed = error
+        self._send("fail", error)
+
+    @staticmethod
+    def _spawn(target: Callable[[], None]) -> threading.Thread:
+        thread = threading.Thread(target=target, name="engine-loop", daemon=True)
+        thread.start()
+        return thread
+
+    async def _supervise(self) -> None:
+        """Event-loop task: restarts the engine loop when its thread has died of a
+        BaseException (a thread that ends because the engine failed to load stays ended)."""
+        while not self._stopping:
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            thread = self._thread
+            if self._stopping or thread is None or thread.is_alive() or not self.ready:
+                continue
+            self._restart()
+
+    def _restart(self) -> None:
+        """Fails what the dead thread left (requests in flight, adds not yet acknowledged,
+        engine calls) with a 500, drops its unread commands, and starts a new thread that
+        cleans the engine up before it loops."""
+        logger.error("the engine loop died; failing %d requests in flight and restarting it",
+                     len(self._queues))
+        with self._cond:
+            self._commands = []
+        for queue in self._queues.values():
+            queue.put_nowait(RequestDelta(error=APIError(500, _ENGINE_FAILED)))
+        self._queues.clear()
+        for future in self._calls:
+            if not future.done():
+                future.set_exception(APIError(500, "the engine loop failed during this call; "
+                                              "see the server log"))
+        self._calls.clear()
+        self._num_pending = 0
+        self._thread = self._spawn(self._recover)
 
     # ------------------------------------------------------------- client side
     def check_ready(self) -> None:
@@ -166,6 +226,8 @@ class AsyncEngine:
         The caller must iterate the result (leaving it early aborts the request) or call
         `abort(request_id)`."""
         self.check_ready()
+        if self._closed is not None:
+            raise self._closed
         if self.max_queue is not None and self._num_waiting + self._num_pending >= self.max_queue:
             raise APIError(429, f"the server is busy: {self.max_queue} requests are already "
                            "waiting (--max-queue); retry later")
@@ -206,8 +268,12 @@ class AsyncEngine:
         self.check_ready()
         assert self._loop is not None
         future: asyncio.Future = self._loop.create_future()
+        self._calls.add(future)
         self._send("call", (fn, future))
-        return await future
+        try:
+            return await future
+        finally:
+            self._calls.discard(future)
 
     def abort(self, request_id: str) -> None:
         """Asks the engine thread to abort `request_id` (no-op if it already finished)."""
@@ -248,6 +314,29 @@ class AsyncEngine:
             return
         self._ready.set()
         logger.info("engine ready")
+        self._serve()
+
+    def _recover(self) -> None:
+        """Thread body after a restart: abort whatever the dead loop left in the engine, then
+        loop. A BaseException ends the thread (the supervisor restarts it again)."""
+        try:
+            self._abort_everything()
+            self._post([], self.engine.stats(), 0)
+            logger.info("engine loop restarted")
+            self._serve()
+        except BaseException:
+            logger.critical("the engine loop died", exc_info=True)
+
+    def _serve(self) -> None:
+        """The engine loop: apply the clients' commands, step, post the deltas; until
+        `shutdown`. A BaseException is logged and ends the thread (see `_supervise`)."""
+        try:
+            self._loop_forever()
+        except BaseException:
+            logger.critical("the engine loop died", exc_info=True)
+
+    def _loop_forever(self) -> None:
+        assert self.engine is not None
         while True:
             with self._cond:
                 while not self._commands and not self._stopping \
@@ -305,6 +394,8 @@ class AsyncEngine:
                     self.metrics.observe_finished("abort")
             elif kind == "call":
                 self._call(*payload)
+            elif kind == "fail":
+                acks.extend(self._fail_all(payload))
         return acks, num_added
 
     def _call(self, fn: Callable[[Any], Any], future: asyncio.Future) -> None:
@@ -332,7 +423,7 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception:  # logged; clients get a generic 500
             logger.exception("engine step failed; aborting all requests")
-            return self._fail_all()
+            return self._fail_all(APIError(500, _ENGINE_FAILED))
         now = time.monotonic()
         deltas = []
         for output in outputs:
@@ -363,18 +454,23 @@ class AsyncEngine:
             reasons = [c.finish_reason for c in delta.choices if c.finish_reason]
             m.observe_finished(reasons[-1] if reasons else "stop")
 
-    def _fail_all(self) -> list[tuple[str, RequestDelta]]:
-        failed = []
-        for request_id in list(self._trackers):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:  # best effort; the error is already logged
-                logger.exception("abort of %s failed", request_id)
-            failed.append((request_id, RequestDelta(
-                error=APIError(500, "the engine failed while running this request; see the "
-                               "server log"))))
-        self._trackers.clear()
+    def _fail_all(self, error: APIError) -> list[tuple[str, RequestDelta]]:
+        """Aborts every request in the engine; a delta carrying `error` for each tracked one."""
+        failed = [(request_id, RequestDelta(error=error)) for request_id in self._trackers]
+        for _ in failed:
+            self.metrics.observe_finished("abort")
+        self._abort_everything()
         return failed
+
+    def _abort_everything(self) -> None:
+        """Aborts every request the engine holds, tracked or not (a fault may have struck
+        between the engine's accepting a request and its tracker's creation)."""
+        self._trackers.clear()
+        for group in list(self.engine.scheduler.groups()):
+            try:
+                self.engine.abort_request(group.request_id)
+            except Exception:  # logged; the next requests may still be served
+                logger.exception("abort of %s failed", group.request_id)
 
 
 def _stat(stats: Any, key: str, default: Any) -> Any:
