@@ -58,9 +58,11 @@ class Sequence:
         self.logprobs: Optional[list[dict[int, float]]] = None
         self.text = ""
         self.stop_reason: Optional[Any] = None
-        # Engine-side helpers (detokenizer, sampling state), set by the engine.
+        # Engine-side helpers (detokenizer, sampling state, stop-string scanner), set by the
+        # engine.
         self.detokenizer: Any = None
         self.sampling_state: Any = None
+        self.stop_scanner: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +95,7 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.output_token_ids = list(self.output_token_ids)
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
-        child.detokenizer = child.sampling_state = None
+        child.detokenizer = child.sampling_state = child.stop_scanner = None
         return child
 
     def reset_for_recompute(self) -> None:

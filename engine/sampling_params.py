@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
+
+from engine.stop_strings import StopStringMatcher
 
 #: Temperatures below this are greedy (as in vLLM).
 GREEDY_EPS = 1e-5
+#: The range of `seed`: a signed 64-bit integer (vLLM's bound; torch's generator takes it).
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _fail(name: str, expected: str, value: object) -> None:
@@ -44,7 +48,8 @@ class SamplingParams:
     - `top_k` 0 or -1: off; otherwise keep the k most likely tokens. `top_p`: keep the smallest
       set of most likely tokens whose probability reaches p. `min_p`: drop tokens less likely
       than `min_p` times the most likely one.
-    - `seed`: this request's own random stream (reproducible whatever else is in the batch).
+    - `seed`: this request's own random stream (reproducible whatever else is in the batch), a
+      signed 64-bit integer.
     - `presence_penalty` / `frequency_penalty` (in [-2, 2]) subtract from the logits of tokens
       already generated (once / per occurrence); `repetition_penalty` (> 0, 1 = off) divides
       positive and multiplies negative logits of tokens in the prompt or the output.
@@ -57,7 +62,9 @@ class SamplingParams:
       with each generated token (the sampled one is always included).
     - `skip_special_tokens`: leave special tokens out of the text.
 
-    Invalid values raise ValueError naming the field.
+    Invalid values raise ValueError naming the field. `stop_matcher`, the automaton that finds
+    the stop strings (`engine.stop_strings`), is built on first use and shared by every request
+    that uses these parameters.
     """
 
     n: int = 1
@@ -77,6 +84,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    _stop_matcher: Optional[StopStringMatcher] = field(default=None, init=False, repr=False,
+                                                        compare=False)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
@@ -85,8 +94,9 @@ class SamplingParams:
         if not _is_int(self.top_k) or self.top_k < -1:
             _fail("top_k", "0 or -1 (off) or an int >= 1", self.top_k)
         _check_real("min_p", self.min_p, 0.0, 1.0)
-        if self.seed is not None and not _is_int(self.seed):
-            _fail("seed", "None or an int", self.seed)
+        if self.seed is not None and not (_is_int(self.seed)
+                                          and SEED_MIN <= self.seed <= SEED_MAX):
+            _fail("seed", f"None or an int in [{SEED_MIN}, {SEED_MAX}]", self.seed)
         _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_real("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
@@ -122,6 +132,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this samples greedily (temperature below 1e-5)."""
         return self.temperature < GREEDY_EPS
+
+    @property
+    def stop_matcher(self) -> Optional[StopStringMatcher]:
+        """The matcher of `stop` (built once, O(total length of the strings)); None without
+        stop strings."""
+        if self._stop_matcher is None and self.stop:
+            self._stop_matcher = StopStringMatcher(self.stop)
+        return self._stop_matcher
 
 
 @dataclass
