@@ -15,10 +15,10 @@ import sys
 from typing import Any, Optional, Sequence
 
 from engine.config import KV_ALLOCATIONS, QUANTIZATION_MODES
-from engine.server import limits
+from engine.server import access, connections, limits, shutdown
 
-#: Environment variable read when --api-key is not given.
-API_KEY_ENV = "ENGINE_API_KEY"
+#: Environment variable read when no flag gives the API key (then vLLM's VLLM_API_KEY).
+API_KEY_ENV = access.API_KEY_ENVS[0]
 _DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16", "half": "float16",
            "float32": "float32", "fp32": "float32", "float": "float32"}
@@ -58,9 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model name clients use (default: the file or directory name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        f"(default: ${API_KEY_ENV} if set)")
+    access.add_arguments(p)
     p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
                    help="weights and KV cache dtype (auto = bfloat16)")
     p.add_argument("--backend", default="auto", help="paged_kernels attention backend")
@@ -93,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=parse_size, default=4 << 20,
                    help="largest request body accepted (413 beyond), default 4MiB")
     limits.add_arguments(p)
+    connections.add_arguments(p)
+    shutdown.add_arguments(p)
     p.add_argument("--enable-debug-endpoints", action="store_true",
                    help="serve /debug/check_integrity (engine internals; for tests and soaks, "
                         "never in production)")
@@ -161,14 +161,28 @@ def _log_engine(engine: Any) -> None:
                 cfg.kv_allocation, engine.loaded.quantization)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+def check_args(args: argparse.Namespace) -> tuple[limits.ServerLimits,
+                                                   connections.ConnectionSettings,
+                                                   access.AccessSettings]:
+    """The settings the parsed flags give; exits through argparse's error (naming the flag)
+    when a value is out of range, a key is empty or its file unreadable."""
     if args.max_queue is not None and args.max_queue < 1:
         build_parser().error(f"--max-queue: expected an integer >= 1, got {args.max_queue}")
+    if args.shutdown_timeout < 0:
+        build_parser().error(f"--shutdown-timeout: expected seconds >= 0, got "
+                             f"{args.shutdown_timeout:g}")
     try:
-        server_limits = limits.from_args(args)
+        return limits.from_args(args), connections.from_args(args), access.from_args(args)
     except ValueError as exc:
-        build_parser().error("--" + str(exc).replace("_", "-"))
+        message = str(exc)
+        flag = message if message.startswith(("--", "$")) else "--" + message.replace("_", "-")
+        build_parser().error(flag)
+    raise AssertionError("unreachable")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    server_limits, conn, who = check_args(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
@@ -179,17 +193,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from engine.server.routes import OpenAIServer
 
     names = served_names(args.model, args.served_model_name)
-    metrics = ServerMetrics(names[0])
-    engine = AsyncEngine(engine_builder(args), metrics, max_queue=args.max_queue)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = create_app(OpenAIServer(engine, names, server_limits), api_key=api_key,
+    engine = AsyncEngine(engine_builder(args), ServerMetrics(names[0]), max_queue=args.max_queue)
+    drain = shutdown.Drain()
+    app = create_app(OpenAIServer(engine, names, server_limits), api_key=who.api_key,
                      max_request_bytes=args.max_request_bytes,
-                     enable_debug_endpoints=args.enable_debug_endpoints)
-    logger.info("serving %r on http://%s:%d (API key %s); loading the model", names[0],
-                args.host, args.port, "required" if api_key else "off")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=3)
+                     enable_debug_endpoints=args.enable_debug_endpoints,
+                     allowed_hosts=who.allowed_hosts, cors=who.cors, drain=drain,
+                     body_timeout=conn.timeout_body_read)
+    _log_access(names[0], args, who)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            http=connections.protocol_class(conn),
+                            timeout_keep_alive=conn.timeout_keep_alive,  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=5, lifespan="on")
+    shutdown.GracefulServer(config, drain, engine, args.shutdown_timeout).run()
     return 0
+
+
+def _log_access(name: str, args: argparse.Namespace, who: access.AccessSettings) -> None:
+    hosts = "any" if who.allowed_hosts is None else ", ".join(sorted(who.allowed_hosts))
+    logger.info("serving %r on http://%s:%d (API key %s; Host names: %s; CORS %s); loading the "
+                "model", name, args.host, args.port,
+                f"required, from {who.key_source}" if who.api_key else "off", hosts,
+                "off" if who.cors is None else "for " + ", ".join(who.cors.allowed_origins))
+    if who.key_source == "--api-key":
+        logger.info("the API key given with --api-key is visible in the process list; "
+                    "--api-key-file or $%s keep it out", API_KEY_ENV)
+    for warning in access.warnings(who, args.host):
+        logger.warning(warning)
 
 
 if __name__ == "__main__":

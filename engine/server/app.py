@@ -1,6 +1,8 @@
 """The FastAPI app: the routes, each handled by one `OpenAIServer` method (routes.py), behind
-the API key and body-size guard (middleware.py), OpenAI-shaped errors (errors.py) and the
-served OpenAPI schema (openapi.py). The engine thread starts and stops with the app.
+the guard (middleware.py: Host allow list, drain, API key, body size and deadline) and, when
+configured, CORS (Starlette's CORSMiddleware, outside the guard so that preflight requests need
+no key), with OpenAI-shaped errors (errors.py) and the served OpenAPI schema (openapi.py). The
+engine thread starts and stops with the app.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.middleware.cors import CORSMiddleware
 
 from engine.server import debug, openapi
+from engine.server.access import CORSSettings
 from engine.server.errors import install_error_handlers
 from engine.server.metrics import CONTENT_TYPE
 from engine.server.middleware import GuardMiddleware
@@ -23,13 +27,18 @@ from engine.server.protocol import (
     TokenizeRequest,
 )
 from engine.server.routes import OpenAIServer
+from engine.server.shutdown import Drain
 
 
 def create_app(server: OpenAIServer, api_key: Optional[str] = None,
                max_request_bytes: int = 4 * 1024 * 1024,
-               enable_debug_endpoints: bool = False) -> FastAPI:
+               enable_debug_endpoints: bool = False,
+               allowed_hosts: Optional[frozenset[str]] = None,
+               cors: Optional[CORSSettings] = None, drain: Optional[Drain] = None,
+               body_timeout: Optional[float] = None) -> FastAPI:
     """The app for `server`; the engine thread starts with the app (lifespan) and stops with
-    it. `enable_debug_endpoints` adds the routes of `engine.server.debug`."""
+    it. `enable_debug_endpoints` adds the routes of `engine.server.debug`; the other arguments
+    go to `GuardMiddleware` (None: no such check) and CORSMiddleware (None: no CORS)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -43,7 +52,12 @@ def create_app(server: OpenAIServer, api_key: Optional[str] = None,
                   redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
     openapi.install(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_request_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_request_bytes,
+                       allowed_hosts=allowed_hosts, drain=drain, body_timeout=body_timeout)
+    if cors is not None:  # added last: the outermost layer
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                           allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
+                           allow_credentials=cors.allow_credentials)
     _add_routes(app, server)
     if enable_debug_endpoints:
         debug.install(app, server)

@@ -1,16 +1,24 @@
-"""ASGI guards in front of every route: the API key and the request-body size limit.
+"""ASGI guards in front of every route, in this order: the Host header allow list (400), the
+drain at shutdown (503), the API key (401), the request-body size limit (413) and the body's
+read deadline (408).
 
 They run before FastAPI parses anything, so a request without the key or with an oversized body
-costs no JSON parsing. `/health` is open without a key (load balancers probe it).
+costs no JSON parsing. `/health` is open without a key (load balancers probe it). Every request
+that passes is counted in flight (`shutdown.Drain`) until its response ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
+import time
 from typing import Any, Awaitable, Callable, Optional
 
-from engine.server.errors import error_body
+from engine.server import access
+from engine.server.errors import RETRY_AFTER_S, error_body
+from engine.server.shutdown import Drain
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -25,11 +33,15 @@ OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 _DRAIN_LIMIT = 64 * 1024 * 1024
 
 
-async def _send_error(send: Send, status: int, message: str,
-                      extra_headers: Optional[list[tuple[bytes, bytes]]] = None) -> None:
+async def send_error(send: Send, status: int, message: str,
+                     extra_headers: Optional[list[tuple[bytes, bytes]]] = None) -> None:
+    """Sends OpenAI's error JSON for `status` as a whole response; a 429 or 503 carries
+    `Retry-After` (errors.RETRY_AFTER_S), as `errors.error_response` does."""
     body = json.dumps(error_body(status, message)).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode()), *(extra_headers or [])]
+    if status in RETRY_AFTER_S:
+        headers.append((b"retry-after", str(RETRY_AFTER_S[status]).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -42,35 +54,64 @@ def _header(scope: Scope, name: bytes) -> Optional[bytes]:
 
 
 class GuardMiddleware:
-    """401 without `Authorization: Bearer <api_key>` (when a key is set), 413 for a body over
-    `max_body_bytes`; other requests pass through with their body replayed."""
+    """400 for a `Host` not in `allowed_hosts` (None: any), 503 while `drain` is draining, 401
+    without `Authorization: Bearer <api_key>` (when a key is set), 413 for a body over
+    `max_body_bytes`, 408 for a body not all read within `body_timeout` seconds (None: no
+    limit); other requests pass through with their body replayed, counted by `drain`."""
 
-    def __init__(self, app: ASGIApp, api_key: Optional[str], max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: Optional[str], max_body_bytes: int,
+                 allowed_hosts: Optional[frozenset[str]] = None, drain: Optional[Drain] = None,
+                 body_timeout: Optional[float] = None) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.allowed_hosts = allowed_hosts
+        self.drain = drain
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if not self._authorized(scope):
-            await _send_error(send, 401, "missing or wrong API key: send the header "
-                              "'Authorization: Bearer <key>'",
-                              [(b"www-authenticate", b"Bearer")])
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await send_error(send, *refusal)
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._drain(receive)
             await self._too_large(send, int(declared))
             return
-        body, size, more = await self._read_body(receive)
+        try:
+            body, size, more = await self._read_body(receive)
+        except asyncio.TimeoutError:
+            await send_error(send, 408, f"request body not received within "
+                             f"{self.body_timeout:g} s (--timeout-body-read)",
+                             [(b"connection", b"close")])
+            return
         if body is None:
             if more:
                 await self._drain(receive)
             await self._too_large(send, size)
             return
-        await self.app(scope, _replay(body, receive), send)
+        with self.drain.track() if self.drain is not None else contextlib.nullcontext():
+            await self.app(scope, _replay(body, receive), send)
+
+    def _refusal(self, scope: Scope) -> Optional[tuple[Any, ...]]:
+        """(status, message, headers) of the error that refuses the request, or None."""
+        host = _header(scope, b"host")
+        host_text = host.decode("latin-1") if host is not None else None
+        if not access.host_allowed(self.allowed_hosts, host_text):
+            shown = host_text if len(host_text or "") <= 100 else host_text[:97] + "..."
+            return (400, f"Host header: {shown!r} is not an allowed host name of this server "
+                         "(--allowed-hosts)", [(b"connection", b"close")])
+        if self.drain is not None and self.drain.draining:
+            return (503, "the server is shutting down; retry on another server or later",
+                    [(b"connection", b"close")])
+        if not self._authorized(scope):
+            return (401, "missing or wrong API key: send the header "
+                         "'Authorization: Bearer <key>'", [(b"www-authenticate", b"Bearer")])
+        return None
 
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None or scope.get("path") in OPEN_PATHS:
@@ -84,8 +125,12 @@ class GuardMiddleware:
         """(body, bytes read, more): body is None when it exceeds the limit, and `more` says
         whether part of it is still unread."""
         chunks, size = [], 0
+        deadline = None if self.body_timeout is None else time.monotonic() + self.body_timeout
         while True:
-            message = await receive()
+            if deadline is None:
+                message = await receive()
+            else:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
             if message["type"] != "http.request":
                 return b"".join(chunks), size, False
             chunk = message.get("body", b"")
@@ -109,7 +154,7 @@ class GuardMiddleware:
                 return
 
     async def _too_large(self, send: Send, size: int) -> None:
-        await _send_error(send, 413, f"request body too large: at most {self.max_body_bytes} "
+        await send_error(send, 413, f"request body too large: at most {self.max_body_bytes} "
                           f"bytes are accepted (--max-request-bytes), got {size}")
 
 
