@@ -43,8 +43,10 @@ class ServerProcess:
         #: status and body of a POST /v1/completions sent at the first 503 of /health.
         self.early_completion: Optional[tuple[int, dict]] = None
 
-    def start(self, timeout: float = 600.0, early_headers: Optional[dict] = None
-              ) -> "ServerProcess":
+    def start(self, timeout: float = 600.0, early_headers: Optional[dict] = None,
+              until_ready: bool = True) -> "ServerProcess":
+        """Launches the server; returns once `/health` answers 200, or, with `until_ready`
+        False, once it answers at all (the HTTP side is up while the model loads)."""
         self.proc = subprocess.Popen([*self.launcher, *self.args],
                                      cwd=REPO, env=self.env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
@@ -61,7 +63,7 @@ class ServerProcess:
                     time.sleep(0.05)
                     continue
                 self.startup_answers.append((r.status_code, _json_or_none(r)))
-                if r.status_code == 200:
+                if r.status_code == 200 or not until_ready:
                     return self
                 if self.early_completion is None:
                     e = client.post(f"{self.base_url}/v1/completions",
