@@ -6,12 +6,16 @@ Every argument check of the public API lives here, and each path runs the same f
   `check_alibi_slopes` and `check_out`; it returns an `AttentionProblem`. `plan()` runs the
   metadata checks once (with `check_plan_layout` and `check_plan_tokens` for what only a plan
   has); each `AttentionPlan.run` runs `PlannedLayer.check_run`, which runs the layer checks.
-- `write_kv`: `check_write_kv_args` is `check_kv_tensors` and `check_slot_mapping`; a plan checks
-  the slots once and runs `PlannedLayer.check_write` (`check_kv_tensors`) per layer.
+- `write_kv`: `check_write_kv_args` is `check_kv_tensors`, `check_slot_mapping` and
+  `check_kv_scales`; a plan checks the slots and scales once and runs
+  `PlannedLayer.check_write` (`check_kv_tensors`) per layer.
+- The scales of an 8-bit cache (`k_scale`, `v_scale`) go through `check_kv_scales` on every
+  path (one-shot and plan), which normalises them to float32 `[num_kv_heads]` tensors.
 - `copy_blocks`, `swap_blocks`, `merge_attn_states` and the custom operators' `lse` have theirs.
 These run on the host without synchronising with the device. The content checks
-(`check_metadata_contents`, `check_slot_contents`, `check_block_ids`) read values, so they
-synchronise; they run always in the reference backend and on request for the fast ones.
+(`check_metadata_contents`, `check_slot_contents`, `check_block_ids`, and
+`check_scale_contents` for scale tensors off the CPU) read values, so they synchronise; they run
+always in the reference backend and on request for the fast ones.
 
 Backends receive only arguments that passed these checks, and declare what they support with a
 `Support`; `Support.check` raises `NotImplementedError` for anything outside it.
@@ -26,6 +30,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from paged_kernels.kv_quant import QUANTIZED_CACHE_DTYPES
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: Names of the optional features a problem may use; backends declare the subset they support.
@@ -38,6 +44,10 @@ _STRIDED = frozenset({"strided"})
 
 def _fail(kind: type, arg: str, expected: str, given: object) -> None:
     raise kind(f"{arg}: expected {expected}, got {given}")
+
+
+def _names(dtypes: Sequence[torch.dtype]) -> str:
+    return "(" + ", ".join(str(d) for d in dtypes) + ")"
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -87,11 +97,15 @@ class AttentionProblem:
     Invariants established by `check_attention_args`:
     - `query` is `[num_tokens, num_heads, head_size]` with a contiguous last dimension.
     - `key_cache`/`value_cache` are `[num_blocks, num_kv_heads, block_size, head_size]`, the last
-      dimension contiguous, other strides arbitrary; same dtype and device as `query`.
+      dimension contiguous, other strides arbitrary; on `query`'s device; both of `query`'s dtype
+      (a float cache) or both of one 8-bit dtype of `QUANTIZED_CACHE_DTYPES`.
     - `block_tables` int32 `[num_seqs, max_blocks_per_seq]`, `seq_lens` int32 `[num_seqs]`,
       `cu_seqlens_q` int32 `[num_seqs + 1]` or None (decode: `num_tokens == num_seqs`).
     - `out` has `query`'s shape and dtype; `lse` is float32 `[num_tokens, num_heads]` or None.
     - `alibi_slopes` is float32 `[num_heads]` or None. `scale` is resolved to a float.
+    - `k_scale`/`v_scale`: for an 8-bit cache, contiguous float32 `[num_kv_heads]` tensors on the
+      cache's device (a per-tensor scale broadcast); None for a float cache. Entry `h` scales KV
+      head `h`: the cache holds `q` and attention reads `float32(q) * scale[h]`.
     """
 
     query: torch.Tensor
@@ -107,6 +121,8 @@ class AttentionProblem:
     soft_cap: Optional[float] = None
     alibi_slopes: Optional[torch.Tensor] = None
     features: frozenset[str] = field(default_factory=frozenset)
+    k_scale: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -155,7 +171,9 @@ class AttentionProblem:
 @dataclass(frozen=True)
 class Support:
     """What one backend supports. `None` for `head_sizes`/`block_sizes` means any size within
-    `max_head_size`/`max_block_size`; `reasons` explains each limit for the support table."""
+    `max_head_size`/`max_block_size`; `reasons` explains each limit for the support table.
+    `kv_cache_dtypes` lists the 8-bit cache dtypes (`QUANTIZED_CACHE_DTYPES`) supported besides
+    the float caches of the query's dtype, which every backend supports."""
 
     dtypes: frozenset[torch.dtype]
     device_types: frozenset[str]
@@ -165,16 +183,21 @@ class Support:
     block_sizes: Optional[frozenset[int]] = None
     max_block_size: Optional[int] = None
     reasons: tuple[tuple[str, str], ...] = ()
+    kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
 
     def unsupported(
         self, dtype: torch.dtype, head_size: int, block_size: int, features: frozenset[str],
-        device_type: str,
+        device_type: str, kv_cache_dtype: Optional[torch.dtype] = None,
     ) -> Optional[str]:
-        """Returns why this configuration is unsupported, or None when it is supported."""
+        """Returns why this configuration is unsupported, or None when it is supported.
+        `kv_cache_dtype` None means a cache of the query's `dtype`."""
         if device_type not in self.device_types:
             return f"device type {device_type!r} (supports {sorted(self.device_types)})"
         if dtype not in self.dtypes:
             return f"dtype {dtype} (supports {sorted(str(d) for d in self.dtypes)})"
+        why = self.unsupported_kv_cache(kv_cache_dtype, dtype)
+        if why is not None:
+            return why
         if self.head_sizes is not None and head_size not in self.head_sizes:
             return f"head_size {head_size} (supports {sorted(self.head_sizes)})"
         if self.max_head_size is not None and head_size > self.max_head_size:
@@ -188,15 +211,36 @@ class Support:
             return f"feature(s) {', '.join(missing)}"
         return None
 
+    def unsupported_kv_cache(self, kv_cache_dtype: Optional[torch.dtype],
+                             dtype: torch.dtype) -> Optional[str]:
+        """Why a cache of `kv_cache_dtype` (None: `dtype`, the K/V rows' and query's dtype) is
+        unsupported, or None."""
+        if kv_cache_dtype is None or kv_cache_dtype == dtype \
+                or kv_cache_dtype in self.kv_cache_dtypes:
+            return None
+        listed = sorted(str(d) for d in self.kv_cache_dtypes) or "none"
+        return f"KV cache dtype {kv_cache_dtype} (8-bit cache dtypes supported: {listed})"
+
     def check(self, backend: str, problem: AttentionProblem) -> None:
         """Raises NotImplementedError naming `backend` and the first unsupported property."""
         self.check_config(backend, problem.query.dtype, problem.head_size, problem.block_size,
-                          problem.features, problem.query.device.type)
+                          problem.features, problem.query.device.type,
+                          problem.key_cache.dtype)
 
     def check_config(self, backend: str, dtype: torch.dtype, head_size: int, block_size: int,
-                     features: frozenset[str], device_type: str) -> None:
+                     features: frozenset[str], device_type: str,
+                     kv_cache_dtype: Optional[torch.dtype] = None) -> None:
         """`check` for a configuration given by its properties (what a plan knows)."""
-        why = self.unsupported(dtype, head_size, block_size, features, device_type)
+        why = self.unsupported(dtype, head_size, block_size, features, device_type,
+                               kv_cache_dtype)
+        if why is not None:
+            raise NotImplementedError(f"backend {backend!r} does not support {why}")
+
+    def check_kv_cache(self, backend: str, kv_cache_dtype: torch.dtype,
+                       dtype: torch.dtype) -> None:
+        """`write_kv`'s check: NotImplementedError naming `backend` and the cache dtype when
+        an 8-bit `kv_cache_dtype` is not listed in `kv_cache_dtypes`."""
+        why = self.unsupported_kv_cache(kv_cache_dtype, dtype)
         if why is not None:
             raise NotImplementedError(f"backend {backend!r} does not support {why}")
 
@@ -206,8 +250,9 @@ class Support:
 def _check_cache(arg: str, cache: object, query: torch.Tensor) -> torch.Tensor:
     cache = _require_tensor(arg, cache)
     _require_ndim(arg, cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
-    if cache.dtype != query.dtype:
-        _fail(TypeError, arg, f"dtype {query.dtype} (the query's dtype)", _describe(cache))
+    if cache.dtype != query.dtype and cache.dtype not in QUANTIZED_CACHE_DTYPES:
+        _fail(TypeError, arg, f"dtype {query.dtype} (the query's dtype) or an 8-bit cache dtype "
+              f"{_names(QUANTIZED_CACHE_DTYPES)}", _describe(cache))
     _require_device(arg, cache, query.device)
     if cache.shape[3] != query.shape[2]:
         _fail(ValueError, arg, f"head_size {query.shape[2]} (the query's) in dim 3",
@@ -232,11 +277,13 @@ def check_layer_tensors(query: object, key_cache: object, value_cache: object
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Checks `paged_attention`'s `query` (`[num_tokens, num_heads, head_size]`, float, last
     dimension contiguous) and caches (`[num_blocks, num_kv_heads, block_size, head_size]`, the
-    query's dtype, device and head size, last dimension contiguous, equal shapes, `num_kv_heads`
-    dividing `num_heads`); returns `(query, key_cache, value_cache)`."""
+    query's dtype or both of one 8-bit dtype, the query's device and head size, last dimension
+    contiguous, equal shapes, `num_kv_heads` dividing `num_heads`); returns `(query, key_cache,
+    value_cache)`."""
     q = _check_query(query)
     k = _check_cache("key_cache", key_cache, q)
     v = _check_cache("value_cache", value_cache, q)
+    _check_same_cache_dtype(k, v)
     if v.shape != k.shape:
         _fail(ValueError, "value_cache", f"the key_cache's shape {tuple(k.shape)}", _describe(v))
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
@@ -244,6 +291,79 @@ def check_layer_tensors(query: object, key_cache: object, value_cache: object
         _fail(ValueError, "key_cache", f"num_kv_heads dividing num_heads={num_heads}",
               f"num_kv_heads={num_kv_heads}")
     return q, k, v
+
+
+def _check_same_cache_dtype(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """K and V caches share one storage dtype (an 8-bit key cache with a float value cache, or
+    two 8-bit types, is refused)."""
+    if value_cache.dtype != key_cache.dtype:
+        _fail(ValueError, "value_cache", f"dtype {key_cache.dtype} (the key_cache's)",
+              _describe(value_cache))
+
+
+# --- the scales of an 8-bit cache ---------------------------------------------------------------
+
+def _scale_tensor(arg: str, scale: object, num_kv_heads: int,
+                  device: torch.device) -> torch.Tensor:
+    """One scale argument as a float32 `[num_kv_heads]` tensor on `device` (host checks only)."""
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        if not math.isfinite(scale) or scale <= 0:
+            _fail(ValueError, arg, "a finite scale > 0", repr(scale))
+        return torch.full((num_kv_heads,), float(scale), dtype=torch.float32, device=device)
+    if not isinstance(scale, torch.Tensor):
+        _fail(TypeError, arg, "a float or a float32 tensor", type(scale).__name__)
+    t: torch.Tensor = scale  # type: ignore[assignment]
+    if t.dtype != torch.float32 or t.dim() > 1 or t.numel() not in (1, num_kv_heads) \
+            or t.device != device:
+        _fail(ValueError, arg, f"a float, or a float32 tensor of shape (1,) (per tensor) or "
+              f"({num_kv_heads},) (per KV head) on {device} (the cache's device)", _describe(t))
+    if t.numel() != num_kv_heads or t.dim() == 0:
+        return t.reshape(1).expand(num_kv_heads).contiguous()
+    return t.contiguous()
+
+
+def check_kv_scales(k_scale: object, v_scale: object, cache_dtype: torch.dtype,
+                    num_kv_heads: int, device: torch.device
+                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """`k_scale`/`v_scale` for a cache of `cache_dtype`: required with an 8-bit cache (a
+    float > 0 and finite, or a float32 tensor `[1]` or `[num_kv_heads]` on `device`), refused
+    with a float cache (TypeError). Returns them as contiguous float32 `[num_kv_heads]` tensors
+    (a tensor `[num_kv_heads]` is the caller's own, not a copy), or `(None, None)`. Host checks
+    only: the values of tensors are `check_scale_contents`'."""
+    scales = (("k_scale", k_scale), ("v_scale", v_scale))
+    if cache_dtype not in QUANTIZED_CACHE_DTYPES:
+        for arg, scale in scales:
+            if scale is not None:
+                _fail(TypeError, arg, f"None with a {cache_dtype} cache (scales are for the 8-bit "
+                      f"caches {_names(QUANTIZED_CACHE_DTYPES)})", _describe_value(scale))
+        return None, None
+    for arg, scale in scales:
+        if scale is None:
+            _fail(TypeError, arg, f"a scale (float or float32 tensor) with a {cache_dtype} cache",
+                  None)
+    k = _scale_tensor("k_scale", k_scale, num_kv_heads, device)
+    v = _scale_tensor("v_scale", v_scale, num_kv_heads, device)
+    return k, v
+
+
+def _describe_value(value: object) -> str:
+    return _describe(value) if isinstance(value, torch.Tensor) else repr(value)
+
+
+def check_scale_contents(k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> None:
+    """The content check of normalised scales (synchronises off the CPU): every entry finite
+    and > 0. Runs always for CPU tensors, else with the other content checks."""
+    for arg, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is not None and not bool(((t > 0) & torch.isfinite(t)).all()):
+            _fail(ValueError, arg, "finite scales > 0", t.tolist())
+
+
+def check_scales_now(k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                     contents: bool) -> None:
+    """`check_scale_contents` when `contents` (content checks requested) or when the scales
+    are on the CPU, where reading them costs no device synchronisation."""
+    if k_scale is not None and (contents or k_scale.device.type == "cpu"):
+        check_scale_contents(k_scale, v_scale)
 
 
 def check_out(out: object, query: torch.Tensor) -> torch.Tensor:
@@ -357,8 +477,10 @@ def check_attention_args(
     seq_lens: object, *, cu_seqlens_q: object = None, scale: Optional[float] = None,
     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
     alibi_slopes: object = None, out: Optional[torch.Tensor] = None, return_lse: bool = False,
+    k_scale: object = None, v_scale: object = None,
 ) -> AttentionProblem:
-    """Checks every argument of `paged_attention` on the host; returns the checked problem.
+    """Checks every argument of `paged_attention` on the host; returns the checked problem
+    (the values of scale tensors are left to `check_scales_now`).
 
     Raises TypeError (wrong type or dtype) or ValueError (wrong shape, device, stride or value),
     with a message naming the argument, what was expected and what was given.
@@ -369,13 +491,14 @@ def check_attention_args(
     check_decode_tokens(num_tokens, bt.shape[0], cu is None)
     resolved_scale = check_scalars(head_size, scale, sliding_window, soft_cap)
     slopes = check_alibi_slopes(alibi_slopes, num_heads, q.device)
+    ks, vs = check_kv_scales(k_scale, v_scale, k.dtype, k.shape[1], k.device)
     o = check_out(out, q)
     lse = None
     if return_lse:
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     features = requested_features(cu, sliding_window, soft_cap, slopes, return_lse)
     return AttentionProblem(q, k, v, bt, sl, cu, o, lse, resolved_scale, sliding_window,
-                            soft_cap, slopes, strided_features(features, k, v))
+                            soft_cap, slopes, strided_features(features, k, v), ks, vs)
 
 
 # --- plan(): what only a plan has --------------------------------------------------------------
@@ -387,9 +510,10 @@ def _require_positive_int(arg: str, value: object) -> int:
 
 
 def check_plan_layout(num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
-                      num_blocks: int, dtype: torch.dtype) -> None:
+                      num_blocks: int, dtype: torch.dtype,
+                      kv_cache_dtype: Optional[torch.dtype] = None) -> torch.dtype:
     """The sizes a plan is made for: ints >= 1, `num_kv_heads` dividing `num_heads`, a float
-    dtype."""
+    dtype, a cache dtype that is None (`dtype`), `dtype` or 8-bit; returns the cache dtype."""
     for arg, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                        ("head_size", head_size), ("block_size", block_size),
                        ("num_blocks", num_blocks)):
@@ -398,6 +522,12 @@ def check_plan_layout(num_heads: int, num_kv_heads: int, head_size: int, block_s
         _fail(ValueError, "num_kv_heads", f"a divisor of num_heads={num_heads}", num_kv_heads)
     if dtype not in FLOAT_DTYPES:
         _fail(TypeError, "dtype", " or ".join(str(d) for d in FLOAT_DTYPES), dtype)
+    if kv_cache_dtype is None:
+        return dtype
+    if kv_cache_dtype != dtype and kv_cache_dtype not in QUANTIZED_CACHE_DTYPES:
+        _fail(TypeError, "kv_cache_dtype", f"None, {dtype} (the dtype) or an 8-bit cache dtype "
+              f"{_names(QUANTIZED_CACHE_DTYPES)}", kv_cache_dtype)
+    return kv_cache_dtype
 
 
 def _resolve_num_tokens(num_tokens: Optional[int], num_seqs: int,
@@ -456,7 +586,8 @@ def _check_planned(arg: str, t: torch.Tensor, shape: torch.Size, dtype: torch.dt
 class PlannedLayer:
     """What a plan expects of each layer's tensors: its dtype and device, queries
     `query_shape` (`[num_tokens, num_heads, head_size]`), K/V rows `kv_shape` (`[num_tokens,
-    num_kv_heads, head_size]`), caches `cache_shape`, and whether it is a decode step.
+    num_kv_heads, head_size]`), caches `cache_shape` of `cache_dtype` (None: `dtype`), and
+    whether it is a decode step.
 
     A layer's tensors that equal these by attribute comparison pass the one-shot call's checks
     (the plan's sizes were checked by `check_plan_layout`), so `check_run`/`check_write` accept
@@ -469,20 +600,27 @@ class PlannedLayer:
     kv_shape: torch.Size
     cache_shape: torch.Size
     decode: bool
+    cache_dtype: Optional[torch.dtype] = None
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The caches' dtype: `cache_dtype`, or `dtype` for a float cache."""
+        return self.dtype if self.cache_dtype is None else self.cache_dtype
 
     def check_run(self, query: object, key_cache: object, value_cache: object,
                   out: object) -> torch.Tensor:
         """`AttentionPlan.run`'s checks; returns `out` (allocated when None)."""
+        cache = self.storage_dtype
         if not (_matches(query, self.query_shape, self.dtype, self.device, 2)
-                and _matches(key_cache, self.cache_shape, self.dtype, self.device, 3)
-                and _matches(value_cache, self.cache_shape, self.dtype, self.device, 3)
+                and _matches(key_cache, self.cache_shape, cache, self.device, 3)
+                and _matches(value_cache, self.cache_shape, cache, self.device, 3)
                 and (out is None or _matches(out, self.query_shape, self.dtype, self.device, 2))):
             q, k, _ = check_layer_tensors(query, key_cache, value_cache)
             # in decode the plan's num_tokens is num_seqs (check_plan_tokens)
             check_decode_tokens(q.shape[0], self.query_shape[0], self.decode)
             out = check_out(out, q)
             _check_planned("query", q, self.query_shape, self.dtype, self.device)
-            _check_planned("key_cache", k, self.cache_shape, self.dtype, self.device)
+            _check_planned("key_cache", k, self.cache_shape, cache, self.device)
         if out is None:
             return torch.empty_like(query, memory_format=torch.contiguous_format)
         return out  # type: ignore[return-value]
@@ -490,14 +628,15 @@ class PlannedLayer:
     def check_write(self, key: object, value: object, key_cache: object,
                     value_cache: object) -> None:
         """`AttentionPlan.write_kv`'s checks (K/V rows with a contiguous last dimension)."""
+        cache = self.storage_dtype
         if not (_matches(key, self.kv_shape, self.dtype, self.device, 2)
                 and _matches(value, self.kv_shape, self.dtype, self.device, 2)
-                and _matches(key_cache, self.cache_shape, self.dtype, self.device, 3)
-                and _matches(value_cache, self.cache_shape, self.dtype, self.device, 3)):
+                and _matches(key_cache, self.cache_shape, cache, self.device, 3)
+                and _matches(value_cache, self.cache_shape, cache, self.device, 3)):
             key, value, k, _ = check_kv_tensors(key, value, key_cache, value_cache)
             for arg, t in (("key", key), ("value", value)):
                 _check_planned(arg, t, self.kv_shape, self.dtype, self.device, contiguous_dim=2)
-            _check_planned("key_cache", k, self.cache_shape, self.dtype, self.device)
+            _check_planned("key_cache", k, self.cache_shape, cache, self.device)
 
 
 def require_planned_slots(slot_mapping: Optional[torch.Tensor]) -> torch.Tensor:
@@ -513,8 +652,10 @@ def require_planned_slots(slot_mapping: Optional[torch.Tensor]) -> torch.Tensor:
 def _check_kv_rows(arg: str, t: object, cache: torch.Tensor) -> torch.Tensor:
     t = _require_tensor(arg, t)
     expected = (cache.shape[1], cache.shape[3])
-    if t.dim() != 3 or tuple(t.shape[1:]) != expected or t.dtype != cache.dtype:
-        _fail(ValueError, arg, f"a {cache.dtype} tensor [num_tokens, {expected[0]}, "
+    dtypes = FLOAT_DTYPES if cache.dtype in QUANTIZED_CACHE_DTYPES else (cache.dtype,)
+    if t.dim() != 3 or tuple(t.shape[1:]) != expected or t.dtype not in dtypes:
+        kind = "float" if len(dtypes) > 1 else str(cache.dtype)
+        _fail(ValueError, arg, f"a {kind} tensor [num_tokens, {expected[0]}, "
               f"{expected[1]}] matching the cache", _describe(t))
     if t.device != cache.device:
         _fail(ValueError, arg, f"a tensor on {cache.device} (the cache's device)", _describe(t))
@@ -523,14 +664,16 @@ def _check_kv_rows(arg: str, t: object, cache: torch.Tensor) -> torch.Tensor:
 
 def check_cache_pair(key_cache: object, value_cache: object
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's caches for the cache operations: float 4-D `[num_blocks, num_kv_heads,
-    block_size, head_size]`, equal shapes, dtypes and devices, last dimension contiguous."""
+    """One layer's caches for the cache operations: float or 8-bit 4-D `[num_blocks,
+    num_kv_heads, block_size, head_size]`, equal shapes, dtypes and devices, last dimension
+    contiguous."""
     k = _require_tensor("key_cache", key_cache)
     v = _require_tensor("value_cache", value_cache)
-    if k.dim() != 4 or k.dtype not in FLOAT_DTYPES:
-        _fail(ValueError, "key_cache", "a float 4-D tensor [num_blocks, num_kv_heads, "
+    if k.dim() != 4 or k.dtype not in FLOAT_DTYPES + QUANTIZED_CACHE_DTYPES:
+        _fail(ValueError, "key_cache", "a float or 8-bit 4-D tensor [num_blocks, num_kv_heads, "
               "block_size, head_size]", _describe(k))
-    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+    _check_same_cache_dtype(k, v)
+    if v.shape != k.shape or v.device != k.device:
         _fail(ValueError, "value_cache", f"the key_cache's shape, dtype and device "
               f"({_describe(k)})", _describe(v))
     for arg, t in (("key_cache", k), ("value_cache", v)):
@@ -542,13 +685,14 @@ def check_cache_pair(key_cache: object, value_cache: object
 def check_kv_tensors(key: object, value: object, key_cache: object, value_cache: object
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`write_kv`'s tensors: `check_cache_pair`, and `key`/`value` `[num_tokens, num_kv_heads,
-    head_size]` in the caches' dtype and device, of equal shapes; returns `(key, value,
-    key_cache, value_cache)`."""
+    head_size]` on the caches' device, of equal shapes and dtypes: the caches' dtype for a float
+    cache, any float dtype for an 8-bit cache; returns `(key, value, key_cache, value_cache)`."""
     k_cache, v_cache = check_cache_pair(key_cache, value_cache)
     key = _check_kv_rows("key", key, k_cache)
     value = _check_kv_rows("value", value, k_cache)
-    if value.shape != key.shape:
-        _fail(ValueError, "value", f"the key's shape {tuple(key.shape)}", _describe(value))
+    if value.shape != key.shape or value.dtype != key.dtype:
+        _fail(ValueError, "value", f"the key's shape {tuple(key.shape)} and dtype {key.dtype}",
+              _describe(value))
     return key, value, k_cache, v_cache
 
 
@@ -560,12 +704,16 @@ def check_slot_mapping(slot_mapping: object, num_tokens: int,
 
 def check_write_kv_args(
     key: object, value: object, key_cache: object, value_cache: object, slot_mapping: object,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The host-side checks of `write_kv` (shapes, dtypes, devices, strides); returns
-    `(key, value, key_cache, value_cache)`. Raises TypeError/ValueError naming the argument."""
+    k_scale: object = None, v_scale: object = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+           Optional[torch.Tensor]]:
+    """The host-side checks of `write_kv` (shapes, dtypes, devices, strides, `check_kv_scales`);
+    returns `(key, value, key_cache, value_cache, k_scale, v_scale)`, the scales normalised.
+    Raises TypeError/ValueError naming the argument."""
     key, value, k_cache, v_cache = check_kv_tensors(key, value, key_cache, value_cache)
     check_slot_mapping(slot_mapping, key.shape[0], k_cache.device)
-    return key, value, k_cache, v_cache
+    ks, vs = check_kv_scales(k_scale, v_scale, k_cache.dtype, k_cache.shape[1], k_cache.device)
+    return key, value, k_cache, v_cache, ks, vs
 
 
 def check_block_mapping(block_mapping: object, device: torch.device) -> torch.Tensor:

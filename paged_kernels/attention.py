@@ -17,13 +17,17 @@ from paged_kernels.abi import (
     check_attention_contents,
     check_copy_blocks_args,
     check_merge_args,
+    check_scales_now,
     check_slot_contents,
     check_swap_blocks_args,
     check_write_kv_args,
     content_checks_requested,
 )
-from paged_kernels.backends import resolve_backend
+from paged_kernels.backends import call_write_kv, resolve_backend
 from paged_kernels.plan import AttentionPlan, plan
+
+#: A scale argument: a float, or a float32 tensor `[1]` or `[num_kv_heads]`.
+ScaleArg = Union[float, torch.Tensor, None]
 
 __all__ = ["paged_attention", "write_kv", "copy_blocks", "swap_blocks", "merge_attn_states",
            "plan", "AttentionPlan"]
@@ -43,6 +47,8 @@ def paged_attention(
     alibi_slopes: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    k_scale: ScaleArg = None,
+    v_scale: ScaleArg = None,
     backend: str = "auto",
     check: Optional[bool] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -54,6 +60,11 @@ def paged_attention(
     sit at its last positions. Returns `out` (`query`'s shape and dtype), or `(out, lse)` with
     `lse` float32 `[num_tokens, num_heads]` when `return_lse`.
 
+    An 8-bit cache (`torch.float8_e4m3fn`, `torch.float8_e5m2`, `torch.int8`, both caches alike)
+    needs `k_scale` and `v_scale`: a float or a float32 tensor `[1]` (per tensor) or
+    `[num_kv_heads]` (per KV head); K/V are read as `float32(q) * scale[kv_head]`. A float cache
+    has the query's dtype and takes no scales.
+
     Raises TypeError/ValueError for malformed arguments, NotImplementedError when the chosen
     backend does not support the request, RuntimeError when no backend can run it here.
     `check=True` (or PAGED_KERNELS_CHECK=1) also checks the contents (block ids, lengths).
@@ -61,10 +72,13 @@ def paged_attention(
     problem = check_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        alibi_slopes=alibi_slopes, out=out, return_lse=return_lse)
+        alibi_slopes=alibi_slopes, out=out, return_lse=return_lse, k_scale=k_scale,
+        v_scale=v_scale)
     impl = resolve_backend(backend, problem.query.device)
     impl.support.check(impl.name, problem)
-    if impl.always_check_contents or content_checks_requested(check):
+    contents = impl.always_check_contents or content_checks_requested(check)
+    check_scales_now(problem.k_scale, problem.v_scale, contents)
+    if contents:
         check_attention_contents(problem)
     if problem.num_tokens:
         impl.paged_attention(problem)
@@ -80,6 +94,8 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: ScaleArg = None,
+    v_scale: ScaleArg = None,
     backend: str = "auto",
     check: Optional[bool] = None,
 ) -> None:
@@ -87,15 +103,24 @@ def write_kv(
     `slot_mapping[i] = block * block_size + offset` of the caches; negative slots are skipped.
     Slots must be distinct among the non-negative ones (a slot written twice is undefined).
     `check=True` (or PAGED_KERNELS_CHECK=1) also checks that every slot is in range; backends
-    that do not check skip out-of-range slots."""
-    key, value, k_cache, v_cache = check_write_kv_args(key, value, key_cache, value_cache,
-                                                       slot_mapping)
+    that do not check skip out-of-range slots.
+
+    A float cache has the rows' dtype. An 8-bit cache takes rows of any float dtype and needs
+    `k_scale`/`v_scale` (as for `paged_attention`); it stores `convert(float32(x) / scale)`,
+    saturating fp8 and rounding to nearest even (docs/abi.md). NotImplementedError when the
+    backend does not declare the cache dtype."""
+    key, value, k_cache, v_cache, ks, vs = check_write_kv_args(
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    impl = resolve_backend(backend, k_cache.device)
+    impl.support.check_kv_cache(impl.name, k_cache.dtype, key.dtype)
     if not key.shape[0]:
         return
-    impl = resolve_backend(backend, k_cache.device)
-    if impl.always_check_contents or content_checks_requested(check):
+    contents = impl.always_check_contents or content_checks_requested(check)
+    check_scales_now(ks, vs, contents)
+    if contents:
         check_slot_contents(slot_mapping, k_cache.shape[0] * k_cache.shape[2])
-    impl.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    call_write_kv(impl, key, value, k_cache, v_cache, slot_mapping, ks, vs)
+
 
 
 def copy_blocks(

@@ -70,8 +70,15 @@ class Backend(ABC):
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Scatters `key`/`value` rows to their slots; negative slots are skipped."""
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: Optional[torch.Tensor] = None,
+                 v_scale: Optional[torch.Tensor] = None) -> None:
+        """Scatters `key`/`value` rows to their slots; negative slots are skipped.
+
+        For an 8-bit cache (a dtype of `support.kv_cache_dtypes`), `k_scale`/`v_scale` are
+        contiguous float32 `[num_kv_heads]` tensors on the cache's device and each row is stored
+        quantised (docs/abi.md, `paged_kernels.kv_quant`); for a float cache they are None and
+        not passed (`call_write_kv`), so a backend without 8-bit support may omit them."""
 
     def copy_blocks(self, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
                     block_mapping: torch.Tensor) -> None:
@@ -82,6 +89,18 @@ class Backend(ABC):
                     block_mapping: torch.Tensor) -> None:
         """Copies block `src` of cache `src` to block `dst` of cache `dst` (devices may differ)."""
         cache_ops.swap_blocks(src, dst, block_mapping)
+
+
+def call_write_kv(impl: Backend, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> None:
+    """`impl.write_kv` with checked arguments; the scales are passed only for an 8-bit cache,
+    so a backend without 8-bit support keeps its five-argument `write_kv`."""
+    if k_scale is None:
+        impl.write_kv(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        impl.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale,
+                      v_scale=v_scale)
 
 
 class BackendUnavailable(RuntimeError):

@@ -3,6 +3,7 @@
 A backend runs these unless it declares its own kernels (`Backend.block_ops`, listed in
 docs/support-matrix.md). Arguments arrive checked by `paged_kernels.abi`; the block ids in
 `block_mapping` are checked here (`check_block_ids`), since reading them synchronises.
+8-bit caches are copied as bytes (`as_bytes`): torch's CPU index operations lack the fp8 types.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import torch
 from paged_kernels.abi import check_block_ids
 
 
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A one-byte cache viewed as uint8 (same shape and strides), so index operations work for
+    every 8-bit type; any other cache as is. Bytes are bytes: copies through the view are exact."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 else cache
+
+
 def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
                 block_mapping: torch.Tensor) -> None:
     """`cache[dst] = cache[src]` for every (src, dst) row, in every layer's K and V cache."""
@@ -21,7 +28,8 @@ def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch
     check_block_ids("src/dst", mapping, key_caches[0].shape[0])
     src, dst = mapping[:, 0], mapping[:, 1]
     for cache in (*key_caches, *value_caches):
-        cache[dst] = cache[src]
+        data = as_bytes(cache)
+        data[dst] = data[src]
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -30,4 +38,4 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     check_block_ids("destination", block_mapping[:, 1], dst.shape[0])
     s_ids = block_mapping[:, 0].to(src.device)
     d_ids = block_mapping[:, 1].to(dst.device)
-    dst[d_ids] = src[s_ids].to(dst.device, non_blocking=False)
+    as_bytes(dst)[d_ids] = as_bytes(src)[s_ids].to(dst.device, non_blocking=False)

@@ -26,18 +26,20 @@ from paged_kernels.abi import (
     AttentionProblem,
     PlannedLayer,
     check_alibi_slopes,
+    check_kv_scales,
     check_metadata,
     check_metadata_contents,
     check_plan_layout,
     check_plan_tokens,
     check_scalars,
+    check_scales_now,
     check_slot_contents,
     content_checks_requested,
     require_planned_slots,
     requested_features,
     strided_features,
 )
-from paged_kernels.backends import Backend, resolve_backend
+from paged_kernels.backends import Backend, call_write_kv, resolve_backend
 
 __all__ = ["AttentionPlan", "plan"]
 
@@ -52,14 +54,15 @@ class AttentionPlan:
 
     __slots__ = ("backend", "num_tokens", "layer", "block_tables", "seq_lens", "cu_seqlens_q",
                  "slot_mapping", "scale", "sliding_window", "soft_cap", "alibi_slopes",
-                 "return_lse", "features", "_strided_ok")
+                 "return_lse", "features", "k_scale", "v_scale", "_strided_ok")
 
     def __init__(self, backend: Backend, layer: PlannedLayer, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
                  slot_mapping: Optional[torch.Tensor], scale: float,
                  sliding_window: Optional[int], soft_cap: Optional[float],
                  alibi_slopes: Optional[torch.Tensor], return_lse: bool,
-                 features: frozenset[str]) -> None:
+                 features: frozenset[str], k_scale: Optional[torch.Tensor] = None,
+                 v_scale: Optional[torch.Tensor] = None) -> None:
         self.backend = backend
         self.num_tokens = layer.query_shape[0]
         self.layer = layer
@@ -73,6 +76,8 @@ class AttentionPlan:
         self.alibi_slopes = alibi_slopes
         self.return_lse = return_lse
         self.features = features
+        self.k_scale = k_scale
+        self.v_scale = v_scale
         self._strided_ok = "strided" in backend.support.features
 
     # ------------------------------------------------------------------ per layer
@@ -98,7 +103,7 @@ class AttentionPlan:
             self.backend.paged_attention(AttentionProblem(
                 query, key_cache, value_cache, self.block_tables, self.seq_lens,
                 self.cu_seqlens_q, out, lse, self.scale, self.sliding_window, self.soft_cap,
-                self.alibi_slopes, features))
+                self.alibi_slopes, features, self.k_scale, self.v_scale))
         if lse is not None:
             return out, lse
         return out
@@ -115,7 +120,8 @@ class AttentionPlan:
         self.layer.check_write(key, value, key_cache, value_cache)
         self._features(key_cache, value_cache)
         if self.num_tokens:
-            self.backend.write_kv(key, value, key_cache, value_cache, slot_mapping)
+            call_write_kv(self.backend, key, value, key_cache, value_cache, slot_mapping,
+                          self.k_scale, self.v_scale)
 
     def _features(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> frozenset[str]:
         """The plan's features for one layer's caches; NotImplementedError for strided caches
@@ -125,7 +131,8 @@ class AttentionPlan:
             layer = self.layer
             self.backend.support.check_config(self.backend.name, layer.dtype,
                                               layer.cache_shape[3], layer.cache_shape[2],
-                                              features, layer.device.type)
+                                              features, layer.device.type,
+                                              layer.storage_dtype)
         return features
 
 
@@ -147,6 +154,9 @@ def plan(
     soft_cap: Optional[float] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    kv_cache_dtype: Optional[torch.dtype] = None,
+    k_scale: Union[float, torch.Tensor, None] = None,
+    v_scale: Union[float, torch.Tensor, None] = None,
     backend: str = "auto",
     check: Optional[bool] = None,
 ) -> AttentionPlan:
@@ -158,28 +168,37 @@ def plan(
     head_size]`. `num_tokens` defaults to `num_seqs` for decode (`cu_seqlens_q` None), else to
     `slot_mapping`'s length, else to `cu_seqlens_q[-1]` (which reads the tensor: pass
     `num_tokens` to avoid a device synchronisation). `slot_mapping` (int64 `[num_tokens]`) is
-    needed only by `AttentionPlan.write_kv`.
+    needed only by `AttentionPlan.write_kv`. `kv_cache_dtype` is the caches' dtype (None:
+    `dtype`); an 8-bit one needs `k_scale`/`v_scale` (as for `paged_attention`), normalised
+    here once to float32 `[num_kv_heads]` tensors that every layer's call reads: a tensor given
+    as `[num_kv_heads]` is used as is, so updating it in place (CUDA graphs) is seen by the plan.
 
     Raises what `paged_attention` raises for the same metadata: TypeError/ValueError naming the
     argument, NotImplementedError when the backend does not support the request, RuntimeError
     when it cannot run here. Content checks (block ids, lengths, slots) run here, once, when the
     backend always checks contents or `check=True` / PAGED_KERNELS_CHECK=1.
     """
-    check_plan_layout(num_heads, num_kv_heads, head_size, block_size, num_blocks, dtype)
+    cache_dtype = check_plan_layout(num_heads, num_kv_heads, head_size, block_size, num_blocks,
+                                    dtype, kv_cache_dtype)
     bt, sl, cu = check_metadata(block_tables, seq_lens, cu_seqlens_q)
     device = bt.device
     tokens, slots = check_plan_tokens(num_tokens, bt.shape[0], cu, slot_mapping, device)
     resolved_scale = check_scalars(head_size, scale, sliding_window, soft_cap)
     slopes = check_alibi_slopes(alibi_slopes, num_heads, device)
+    ks, vs = check_kv_scales(k_scale, v_scale, cache_dtype, num_kv_heads, device)
     features = requested_features(cu, sliding_window, soft_cap, slopes, return_lse)
     impl = resolve_backend(backend, device)
-    impl.support.check_config(impl.name, dtype, head_size, block_size, features, device.type)
-    if impl.always_check_contents or content_checks_requested(check):
+    impl.support.check_config(impl.name, dtype, head_size, block_size, features, device.type,
+                              cache_dtype)
+    contents = impl.always_check_contents or content_checks_requested(check)
+    check_scales_now(ks, vs, contents)
+    if contents:
         check_metadata_contents(bt, sl, cu, tokens, block_size, num_blocks)
         if slots is not None:
             check_slot_contents(slots, num_blocks * block_size)
     layer = PlannedLayer(dtype, device, torch.Size((tokens, num_heads, head_size)),
                          torch.Size((tokens, num_kv_heads, head_size)),
-                         torch.Size((num_blocks, num_kv_heads, block_size, head_size)), cu is None)
+                         torch.Size((num_blocks, num_kv_heads, block_size, head_size)), cu is None,
+                         None if cache_dtype == dtype else cache_dtype)
     return AttentionPlan(impl, layer, bt, sl, cu, slots, resolved_scale, sliding_window,
-                         soft_cap, slopes, bool(return_lse), features)
+                         soft_cap, slopes, bool(return_lse), features, ks, vs)

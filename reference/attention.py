@@ -6,32 +6,40 @@ Each sequence's blocks are gathered through its block table into a padded, conti
 matrix products (no Python loop over tokens or blocks). Entries of the block table past
 `ceil(seq_len / block_size)` are replaced by block 0 before the gather and every key past a
 sequence's length is masked out of the scores and zeroed in V, so their contents (NaN included)
-never reach the result.
+never reach the result. An 8-bit cache is read as `float32(q) * scale[kv_head]`
+(`paged_kernels.kv_quant.dequantize`), then computed exactly as a float cache.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from paged_kernels.abi import AttentionProblem
+from paged_kernels.cache_ops import as_bytes
+from paged_kernels.kv_quant import dequantize
 
 
 def _gather_kv(p: AttentionProblem, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns K and V as float32 `[num_seqs, num_kv_heads, max_blocks * block_size, head_size]`."""
+    """Returns K and V as float32 `[num_seqs, num_kv_heads, max_blocks * block_size, head_size]`,
+    dequantised when the cache is 8-bit."""
     num_blocks_used = -(-max_len // p.block_size)
     table = p.block_tables[:, :num_blocks_used].long()
     needed = -(-p.seq_lens.long() // p.block_size)
     read = torch.arange(num_blocks_used, device=table.device)[None, :] < needed[:, None]
     table = torch.where(read, table, torch.zeros_like(table))
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        blocks = cache[table]  # [num_seqs, n, num_kv_heads, block_size, head_size]
+    def gather(cache: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        # [num_seqs, n, num_kv_heads, block_size, head_size]; 8-bit caches gathered as bytes
+        blocks = as_bytes(cache)[table].view(cache.dtype).permute(0, 2, 1, 3, 4)
         dense = torch.empty(p.num_seqs, p.num_kv_heads, num_blocks_used, p.block_size,
                             p.head_size, dtype=torch.float32, device=cache.device)
-        dense.copy_(blocks.permute(0, 2, 1, 3, 4))  # one pass: reorder and widen to float32
+        # one pass: reorder and widen to float32 (an 8-bit cache: float32(q) * scale[kv_head])
+        dense.copy_(blocks if scale is None else dequantize(blocks, scale))
         return dense.view(p.num_seqs, p.num_kv_heads, -1, p.head_size)
 
-    return gather(p.key_cache), gather(p.value_cache)
+    return gather(p.key_cache, p.k_scale), gather(p.value_cache, p.v_scale)
 
 
 def _token_layout(p: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -180,7 +180,8 @@ def test_fake_raises_the_abi_errors_at_trace_time() -> None:
         with pytest.raises(ValueError, match="lse: expected a float32"):
             torch.ops.paged_kernels.paged_attention(
                 query, cache[:, :2], cache[:, :2], tables, lens, None, torch.empty_like(query),
-                torch.empty(3, 8, dtype=torch.float16), None, None, None, None, "auto")
+                torch.empty(3, 8, dtype=torch.float16), None, None, None, None, None, None,
+                "auto")
 
 
 def test_errors_pass_through_unchanged() -> None:
@@ -201,7 +202,8 @@ def _opcheck_attention_args(features: bool) -> tuple:
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if features else None
     return (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
             case.cu_seqlens_q, torch.empty_like(case.query), lse, 0.2 if features else None,
-            5 if features else None, 4.0 if features else None, slopes, "reference")
+            5 if features else None, 4.0 if features else None, slopes, None, None,
+            "reference")
 
 
 @pytest.mark.parametrize("features", [False, True], ids=["decode", "varlen-all-features"])
@@ -215,7 +217,7 @@ def test_opcheck_write_kv() -> None:
     key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
     slots = torch.tensor([3, -1, 17, 0, 9])
     torch.library.opcheck(torch.ops.paged_kernels.write_kv.default,
-                          (key, value, cache, cache.clone(), slots, "reference"))
+                          (key, value, cache, cache.clone(), slots, None, None, "reference"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
