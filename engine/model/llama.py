@@ -187,13 +187,13 @@ class LlamaDecoderLayer(nn.Module):
         # strided row views: write_kv honours any strides with a contiguous last dimension
         key, value = qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
         k_cache, v_cache = kv_cache
-        if kv_scales is None:
-            attn.write_kv(key, value, k_cache, v_cache)
-            out = attn.run(qkv[:, :nh], k_cache, v_cache)
-        else:
+        if kv_scales is not None:
+            # the plan reads its scale tensors at every call: load this layer's into them
             k_scale, v_scale = kv_scales.for_step(key, value)
-            attn.write_kv(key, value, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
-            out = attn.run(qkv[:, :nh], k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
+            attn.k_scale.copy_(k_scale)
+            attn.v_scale.copy_(v_scale)
+        attn.write_kv(key, value, k_cache, v_cache)
+        out = attn.run(qkv[:, :nh], k_cache, v_cache)
         return _linear(out.reshape(num_tokens, -1), self.o_proj)
 
 
@@ -242,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"kv_scales: expected {len(self.layers)} LayerKVScales, one per "
                              f"layer, got {len(kv_scales)}")
         rotary = (positions, self.rotary_cos, self.rotary_sin)
-        attn = self.plan_attention(meta, input_ids.shape[0], kv_caches[0][0])
+        attn = self.plan_attention(meta, input_ids.shape[0], kv_caches[0][0],
+                                   kv_scales is not None)
         hidden = F.embedding(input_ids, self.embed_tokens)
         residual = None
         scales = kv_scales or [None] * len(self.layers)
@@ -253,15 +254,23 @@ class LlamaForCausalLM(nn.Module):
         return layer_ops.add_rms_norm_(residual, hidden, self.norm, self.config.rms_norm_eps)
 
     def plan_attention(self, meta: AttentionMetadata, num_tokens: int,
-                       key_cache: torch.Tensor) -> AttentionPlan:
+                       key_cache: torch.Tensor, quantized: bool = False) -> AttentionPlan:
         """The step's attention plan (metadata checked once, run by every layer); `key_cache` is
-        any layer's (all layers' caches have one shape)."""
+        any layer's (all layers' caches have one shape and dtype). For an 8-bit cache
+        (`quantized`) the plan gets its own float32 `[num_kv_heads]` scale tensors, which
+        each layer fills with its scales before its calls."""
         c = self.config
+        scales = {}
+        if quantized:
+            ones = torch.ones(c.num_key_value_heads, dtype=torch.float32,
+                              device=key_cache.device)
+            scales = {"k_scale": ones, "v_scale": ones.clone()}
         return plan(meta.block_tables, meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
                     slot_mapping=meta.slot_mapping, num_tokens=num_tokens,
                     num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                     head_size=c.head_dim, block_size=key_cache.shape[2],
-                    num_blocks=key_cache.shape[0], dtype=key_cache.dtype, backend=meta.backend)
+                    num_blocks=key_cache.shape[0], dtype=self.dtype,
+                    kv_cache_dtype=key_cache.dtype, backend=meta.backend, **scales)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab_size]` for final hidden states `[N, hidden_size]`."""
