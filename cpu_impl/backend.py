@@ -69,14 +69,19 @@ class CpuBackend(Backend):
             p.out, p.lse, p.alibi_slopes, p.scale,
             0 if p.sliding_window is None else p.sliding_window,
             0.0 if p.soft_cap is None else p.soft_cap,
-            QUERY_TILE, torch.get_num_threads(), read_ahead)
+            QUERY_TILE, torch.get_num_threads(), read_ahead,
+            getattr(p, "k_scale", None), getattr(p, "v_scale", None))
         if not done:  # the kernel's content scan failed: raise the ABI's own message
             check_attention_contents(p)
             raise AssertionError("cpu kernel rejected contents that check_attention_contents "
                                  "accepts")
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         # Slots are range-checked by the API on request (docs/abi.md); the kernel skips a slot
         # outside [0, num_blocks * block_size) either way, so an unchecked bad slot is harmless.
-        self._ext.write_kv(key, value, key_cache, value_cache, slot_mapping.contiguous())
+        # An 8-bit cache is written by the C++ kernel too: quantised element by element
+        # (csrc/paged_attention.cpp's quantize), rows split over torch's threads.
+        self._ext.write_kv(key, value, key_cache, value_cache, slot_mapping.contiguous(),
+                           k_scale, v_scale, torch.get_num_threads())

@@ -269,7 +269,97 @@ def test_narrower_builds_match_the_oracle(cpu: str):
             alibi = torch.tensor([0.5 ** (h + 1) for h in range(6)])
             assert ext.paged_attention(c.query, c.key_cache, c.value_cache, c.block_tables,
                                         c.seq_lens, c.cu_seqlens_q, out, lse, alibi,
-                                        1 / math.sqrt(d), 30, 4.0, 16, 2, True)
+                                        1 / math.sqrt(d), 30, 4.0, 16, 2, True, None, None)
             want, want_lse = dense_oracle(c, window=30, soft_cap=4.0, alibi=alibi)
             assert rel_err(out, want) <= TOL[dtype]
             assert rel_err(lse, want_lse) <= TOL[dtype]
+    for cache_dtype in CACHE_8BIT:  # 8-bit codes through these builds' conversions
+        for q_lens in (None, [9, 1, 20]):
+            seq_lens = [33, 70, 5, 16] if q_lens is None else [9, 17, 50]
+            c = build_case(seq_lens, q_lens, (6, 2), 40, 8, torch.bfloat16, seed=5)
+            k_scale, v_scale = kv_scales_for(cache_dtype, 2)
+            kc, vc, keys, values = quantized_case(c, cache_dtype, k_scale, v_scale)
+            want, _ = attention_oracle(c.query, keys, values, c.q_lens)
+            out = attend_ext(ext, c, kc, vc, k_scale, v_scale)
+            assert rel_err(out, want) <= TOL[torch.bfloat16]
+
+
+# --- 8-bit caches ---------------------------------------------------------------------------
+# The test's own quantisation (torch's float32 -> fp8 conversion after clamping, torch.round for
+# int8) and dequantisation (torch's fp8 -> float64 conversion times the scale); none of it is the
+# kernel's code (csrc/paged_attention.cpp's quantize, csrc/simd.h's tables and bit conversions).
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+CACHE_8BIT = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
+
+
+def quantize_8bit(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale[kv_head] as `dtype` codes; x's dimension 1 is the KV head (a cache
+    [num_blocks, num_kv_heads, block_size, head_size] or rows [tokens, num_kv_heads, head_size])."""
+    y = x.float() / scale.view([1, -1] + [1] * (x.dim() - 2))
+    if dtype == torch.int8:
+        return torch.nan_to_num(y.round(), nan=0.0).clamp(-128, 127).to(torch.int8)
+    return y.clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 values of [seq_len, num_kv_heads, head_size] codes."""
+    return q.to(torch.float64) * scale.double().view(1, -1, 1)
+
+
+def quantized_case(c: PagedCase, dtype: torch.dtype, k_scale: torch.Tensor,
+                   v_scale: torch.Tensor, poison: int = 127):
+    """(key_cache, value_cache, keys, values) of case `c` stored in `dtype` with these per-KV-head
+    scales: the caches quantised (NaN-poisoned unused slots stay NaN in fp8; int8 has no NaN, so
+    they hold `poison`), the oracle's K/V the dequantised codes of each sequence."""
+    caches = []
+    for cache, scale in ((c.key_cache, k_scale), (c.value_cache, v_scale)):
+        q = torch.empty_like(cache, dtype=dtype)
+        q.copy_(quantize_8bit(cache, scale, dtype))
+        if dtype == torch.int8:
+            q[torch.isnan(cache)] = poison
+        caches.append(q)
+    keys = [dequantize_rows(quantize_8bit(k, k_scale, dtype), k_scale) for k in c.keys]
+    values = [dequantize_rows(quantize_8bit(v, v_scale, dtype), v_scale) for v in c.values]
+    return caches[0], caches[1], keys, values
+
+
+def attend_ext(ext, c: PagedCase, key_cache, value_cache, k_scale, v_scale, *, window=0,
+               soft_cap=0.0, alibi=None, threads=2, lse=False):
+    """The extension's paged_attention on case `c` with these caches (out NaN-filled first)."""
+    out = torch.full_like(c.query, math.nan)
+    lse_out = torch.empty(c.query.shape[:2]) if lse else None
+    assert ext.paged_attention(c.query, key_cache, value_cache, c.block_tables, c.seq_lens,
+                               c.cu_seqlens_q, out, lse_out, alibi,
+                               1 / math.sqrt(c.query.shape[2]), window, soft_cap, 16, threads,
+                               True, k_scale, v_scale)
+    return (out, lse_out) if lse else out
+
+
+def kv_scales_for(dtype: torch.dtype, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Different scales per KV head (a wrong head's scale changes the result), with values of
+    N(0, 1) reaching the format's range (e4m3fn and int8 saturate a few of them)."""
+    base = 0.03 if dtype == torch.int8 else 2.0 ** -6
+    k = torch.tensor([base * (1 + 0.5 * h) for h in range(num_kv_heads)])
+    return k, k.flip(0) * 1.25
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", [
+    *((c, d) for c in CACHE_8BIT for d in (torch.float32, torch.bfloat16)),
+    (torch.float8_e4m3fn, torch.float16),
+])
+def test_8bit_caches_match_the_oracle(cache_dtype, dtype):
+    """Decode (all-KV-heads items) and varlen over 8-bit caches: head size 64 (on AVX-512 BF16
+    with a bf16 query, the vdpbf16ps paths over rows converted to bf16) and 40 (the widened-row
+    paths, SIMD bodies and scalar tails)."""
+    from cpu_impl import build
+    ext = build.load()
+    for head_size, q_lens in ((64, None), (64, [3, 1, 17, 0]), (40, [2, 1, 17, 0]),
+                              (40, None)):
+        # Decode: a sequence over two 256-key chunks; varlen: several 16-row query tiles.
+        seq_lens = [5, 1, 80, 9] if q_lens else [1, 37, 300, 16, 5]
+        c = build_case(seq_lens, q_lens, (8, 2), head_size, 16, dtype, seed=head_size)
+        k_scale, v_scale = kv_scales_for(cache_dtype, 2)
+        kc, vc, keys, values = quantized_case(c, cache_dtype, k_scale, v_scale)
+        want, _ = attention_oracle(c.query, keys, values, c.q_lens)
+        assert rel_err(attend_ext(ext, c, kc, vc, k_scale, v_scale), want) <= TOL[dtype]

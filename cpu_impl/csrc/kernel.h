@@ -50,8 +50,9 @@ struct AlignedAlloc {
   bool operator!=(const AlignedAlloc&) const { return false; }
 };
 
-// Per-thread scratch, sized once per call.
-template <typename T>
+// Per-thread scratch, sized once per call. T: the query's type; C: the caches' (T, or an 8-bit
+// code type).
+template <typename T, typename C>
 struct Scratch {
   std::vector<float> q, acc, scores, m, l, kf, vf;
   std::vector<T> qraw;                 // unscaled queries (the bf16 dot-product path)
@@ -59,30 +60,39 @@ struct Scratch {
   std::vector<uint32_t, AlignedAlloc<uint32_t>> kt;  // transposed K pairs: [d / 2][16], aligned
   std::vector<int64_t> pos;
   std::vector<int> vis;                // per row: the chunk's visible keys [vis[2r], vis[2r + 1])
-  std::vector<const T*> kp, vp;        // K/V row pointers of the chunk: KEY_CHUNK per KV head
+  std::vector<const C*> kp, vp;        // K/V row pointers of the chunk: KEY_CHUNK per KV head
   std::vector<const float*> kfp, vfp;  // rows of kf / vf
+  std::vector<uint16_t> staged;        // an 8-bit cache's unit of K or V rows as bf16 (UNIT_KEYS)
+  std::vector<const at::BFloat16*> sp; // rows of staged, by key index in the chunk (KEY_CHUNK)
   Scratch(int rows, int d, int heads)
       : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows), l(rows),
         kf(WIDENED_CHUNK * d), vf(WIDENED_CHUNK * d), qraw(rows * d), wb(rows * KEY_CHUNK),
         kt(d / 2 * 16), pos(rows), vis(2 * rows),
         kp(KEY_CHUNK * heads), vp(KEY_CHUNK * heads), kfp(WIDENED_CHUNK),
-        vfp(WIDENED_CHUNK) {}
+        vfp(WIDENED_CHUNK), staged(is_8bit_cache<C>() ? UNIT_KEYS * d : 0),
+        sp(is_8bit_cache<C>() ? KEY_CHUNK : 0) {}
 };
 
-template <typename T>
+// T: the query's (and output's) type; C: the caches' element type, T itself or an 8-bit code type
+// (simd.h) whose values the per-KV-head scales multiply: the key scale is folded into the query
+// rows (q . (s k) = (s q) . k) and the value scale into the output rows, so the inner loops
+// convert codes to float32 and nothing more.
+template <typename T, typename C>
 class ItemKernel {
  public:
-  ItemKernel(const Problem& p, const T* q, const T* k, const T* v, T* out, const Item& it,
-             Scratch<T>& sc)
+  ItemKernel(const Problem& p, const T* q, const C* k, const C* v, T* out, const Item& it,
+             Scratch<T, C>& sc)
       : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
         g_(p.group()), rh_(static_cast<int>(it.rows) * g_), nh_(it.kv_heads), rows_(rh_ * nh_),
         pairs_(uses_pairs(p)) {}
 
-  // Whether the P.V product runs on vdpbf16ps (accumulate_pairs): bf16 with d % 32 == 0 on the
+  // Whether Q.K and P.V run on vdpbf16ps (dot_scores, accumulate_pairs): a bf16 query and a bf16
+  // or 8-bit cache (its rows staged as bf16 unit by unit, stage_bf16), d % 32 == 0, on the
   // AVX-512 BF16 build.
   static bool uses_pairs(const Problem& p) {
 #if defined(PK_AVX512)
-    return std::is_same_v<T, at::BFloat16> && p.head_size % 32 == 0;
+    return std::is_same_v<T, at::BFloat16> &&
+           (std::is_same_v<C, at::BFloat16> || is_8bit_cache<C>()) && p.head_size % 32 == 0;
 #else
     (void)p;
     return false;
@@ -119,13 +129,19 @@ class ItemKernel {
       const T* src = q_ + token(r) * p_.q_s0 + head(r) * p_.q_s1;
       float* dst = &sc_.q[r * d_];
       to_float(src, dst, d_);
-      for (int i = 0; i < d_; ++i) dst[i] *= p_.scale;
+      const float scale = p_.scale * kv_scale(p_.k_scale, r);
+      for (int i = 0; i < d_; ++i) dst[i] *= scale;
       std::copy_n(src, d_, &sc_.qraw[r * d_]);
       std::fill_n(&sc_.acc[r * d_], d_, 0.f);
       sc_.m[r] = NEG_INF;
       sc_.l[r] = 0.f;
       sc_.pos[r] = it_.seq_len - it_.q_len + it_.row0 + (r % rh_) / g_;
     }
+  }
+
+  // The scale of row r's KV head in `scales` (Problem::k_scale or v_scale), 1 for a float cache.
+  float kv_scale(const float* scales, int r) const {
+    return scales == nullptr ? 1.f : scales[it_.kv_head + r / rh_];
   }
 
   void key_range(int64_t& lo, int64_t& hi) const {
@@ -140,14 +156,14 @@ class ItemKernel {
   // key): kp[hh * KEY_CHUNK + jj] for KV head kv_head + hh. Block ids were validated by
   // contents_valid.
   void locate(int64_t c0, int n) {
-    const T** kp = sc_.kp.data();
-    const T** vp = sc_.vp.data();
+    const C** kp = sc_.kp.data();
+    const C** vp = sc_.vp.data();
     int64_t b = c0 / p_.block_size, off = c0 % p_.block_size;
     const int32_t* table = p_.block_tables + it_.seq * p_.max_blocks;
     for (int jj = 0; jj < n; ++jj) {
       int64_t id = table[b];
-      const T* k = k_ + id * p_.k_s0 + it_.kv_head * p_.k_s1 + off * p_.k_s2;
-      const T* v = v_ + id * p_.v_s0 + it_.kv_head * p_.v_s1 + off * p_.v_s2;
+      const C* k = k_ + id * p_.k_s0 + it_.kv_head * p_.k_s1 + off * p_.k_s2;
+      const C* v = v_ + id * p_.v_s0 + it_.kv_head * p_.v_s1 + off * p_.v_s2;
       for (int hh = 0; hh < nh_; ++hh) {
         kp[hh * KEY_CHUNK + jj] = k + hh * p_.k_s1;
         vp[hh * KEY_CHUNK + jj] = v + hh * p_.v_s1;
@@ -170,7 +186,7 @@ class ItemKernel {
   void prefetch(int64_t c0, int64_t c1) const {
     if (c0 >= c1) return;
     constexpr int64_t LINE = 64;
-    const int64_t row_bytes = d_ * static_cast<int64_t>(sizeof(T));
+    const int64_t row_bytes = d_ * static_cast<int64_t>(sizeof(C));
     const int32_t* table = p_.block_tables + it_.seq * p_.max_blocks;
     int64_t b = c0 / p_.block_size, off = c0 % p_.block_size;
     for (int64_t c = c0; c < c1; ++c) {
@@ -218,11 +234,11 @@ class ItemKernel {
   // straight from the cache, and with more each K row is widened once into kf and reused by every
   // row pair.
   // Keys [j0, j1) of the chunk; the paths other than dot_scores take the whole chunk (j0 == 0).
-  void head_scores(int hh, int j0, int j1, const T* const* krows) {
-    if (dot_scores(hh, krows, j0, j1)) return;
+  void head_scores(int hh, int j0, int j1, const C* const* krows) {
+    if (pairs_ && dot_scores(hh, bf16_rows(krows, j0, j1), j0, j1)) return;
     assert(j0 == 0);
     const int n = j1;
-    if (rh_ <= 4) {
+    if (rh_ <= 4 && !is_8bit_cache<C>()) {  // an 8-bit K row is converted once, below
       compute_scores(hh * rh_, krows, n);
       return;
     }
@@ -235,13 +251,37 @@ class ItemKernel {
     compute_scores(hh * rh_, sc_.kfp.data(), n);
   }
 
+  // The rows [j0, j1) of krows (or vrows) for the vdpbf16ps paths (called only when pairs_):
+  // themselves for a bf16 cache; for an 8-bit cache, converted to bf16 into sc_.staged (at most
+  // UNIT_KEYS rows, one unit of chunk()) and returned as sc_.sp, padded with the first row to a
+  // multiple of 4 keys (the 4-key and 2-key steps of dots_bf16 and accumulate_pairs). The
+  // conversion reads each K or V row once for every row of the GQA group and the tile.
+  template <typename S>
+  auto bf16_rows(const S* const* rows, int j0, int j1) {
+#if defined(PK_AVX512)
+    if constexpr (is_8bit_cache<S>()) {
+      assert(pairs_ && j1 - j0 <= UNIT_KEYS);
+      uint16_t* staged = sc_.staged.data();
+      codes_to_bf16(rows + j0, j1 - j0, d_, staged);
+      const at::BFloat16* base = reinterpret_cast<const at::BFloat16*>(staged);
+      for (int jj = j0; jj < j1; ++jj) sc_.sp[jj] = base + (jj - j0) * d_;
+      for (int jj = j1; jj < std::min(KEY_CHUNK, (j1 + 3) / 4 * 4); ++jj) sc_.sp[jj] = base;
+      return static_cast<const at::BFloat16* const*>(sc_.sp.data());
+    } else
+#endif
+    {
+      (void)j0, (void)j1;
+      return rows;
+    }
+  }
+
   // The bf16 path of head_scores on CPUs with avx512_bf16: the unscaled bf16 query against the
   // bf16 keys with vdpbf16ps (exact products, float32 sums), then the scale. Returns false, having
   // done nothing, where it does not apply (other dtypes, d % 32 != 0, no AVX-512 build).
   template <typename S>
   bool dot_scores(int hh, const S* const* krows, int j0, int j1) {
 #if defined(PK_AVX512)
-    if constexpr (std::is_same_v<S, at::BFloat16>) {
+    if constexpr (std::is_same_v<S, at::BFloat16> && std::is_same_v<T, at::BFloat16>) {
       if (d_ % 32 != 0) return false;
       const int first = hh * rh_;
       if (rh_ > 4 && j1 - j0 <= UNIT_KEYS) {  // many rows (prefill): transpose K once, reuse it
@@ -334,7 +374,7 @@ class ItemKernel {
           acc[e][i] = _mm512_dpbf16_ps(acc[e][i], qp, k);
         }
       }
-    const __m512 scale = _mm512_set1_ps(p_.scale);
+    const __m512 scale = _mm512_set1_ps(p_.scale * kv_scale(p_.k_scale, r0));  // one KV head
     for (int i = 0; i < R; ++i)
       _mm512_storeu_ps(&sc_.scores[(r0 + i) * KEY_CHUNK + j0],
                        _mm512_mul_ps(_mm512_add_ps(acc[0][i], acc[1][i]), scale));
@@ -345,7 +385,7 @@ class ItemKernel {
   template <int NR>
   void dot_rows_bf16(int r0, const at::BFloat16* const* krows, int j0, int j1) {
     const at::BFloat16* q = &sc_.qraw[r0 * d_];
-    const __m256 scale = _mm256_set1_ps(p_.scale);
+    const __m256 scale = _mm256_set1_ps(p_.scale * kv_scale(p_.k_scale, r0));  // one KV head
     float* out = &sc_.scores[r0 * KEY_CHUNK];
     for (int jj = j0; jj < j1; jj += 4) {
       __m256 s[2];
@@ -440,17 +480,19 @@ class ItemKernel {
   // of acc stay in registers across the chunk's keys. With at most 4 rows (decode) V is widened
   // straight from the cache; otherwise each V row is widened once into vf and reused per group.
   // Keys [j0, j1) of the chunk; the paths other than accumulate_pairs take the whole chunk.
-  void accumulate_values(int hh, int j0, int j1, const T* const* vrows) {
+  void accumulate_values(int hh, int j0, int j1, const C* const* vrows) {
     const int first = hh * rh_;
 #if defined(PK_AVX512)
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if constexpr (std::is_same_v<T, at::BFloat16> &&
+                  (std::is_same_v<C, at::BFloat16> || is_8bit_cache<C>())) {
       if (pairs_) {
+        const at::BFloat16* const* rows = bf16_rows(vrows, j0, j1);
         for (int r0 = first; r0 < first + rh_; r0 += 4)
           switch (std::min(4, first + rh_ - r0)) {
-            case 4: accumulate_pairs<4>(r0, j0, j1, vrows); break;
-            case 3: accumulate_pairs<3>(r0, j0, j1, vrows); break;
-            case 2: accumulate_pairs<2>(r0, j0, j1, vrows); break;
-            default: accumulate_pairs<1>(r0, j0, j1, vrows); break;
+            case 4: accumulate_pairs<4>(r0, j0, j1, rows); break;
+            case 3: accumulate_pairs<3>(r0, j0, j1, rows); break;
+            case 2: accumulate_pairs<2>(r0, j0, j1, rows); break;
+            default: accumulate_pairs<1>(r0, j0, j1, rows); break;
           }
         return;
       }
@@ -585,7 +627,8 @@ class ItemKernel {
   void store() {
     for (int r = 0; r < rows_; ++r) {
       T* dst = out_ + token(r) * p_.o_s0 + head(r) * p_.o_s1;
-      float inv = sc_.l[r] > 0.f ? 1.f / sc_.l[r] : 0.f;  // no visible key (invalid input): 0
+      // No visible key (invalid input): 0. The value scale multiplies the weighted sum.
+      const float inv = sc_.l[r] > 0.f ? kv_scale(p_.v_scale, r) / sc_.l[r] : 0.f;
       const float* a = &sc_.acc[r * d_];
       if (pairs_)
         for (int i = 0; i < d_; ++i) dst[pair_column(i)] = from_float<T>(a[i] * inv);
@@ -599,22 +642,22 @@ class ItemKernel {
 
   const Problem& p_;
   const T* q_;
-  const T* k_;
-  const T* v_;
+  const C* k_;
+  const C* v_;
   T* out_;
   const Item& it_;
-  Scratch<T>& sc_;
+  Scratch<T, C>& sc_;
   const int d_, g_, rh_, nh_, rows_;  // rows per KV head, KV heads, rows of the item
   const bool pairs_;  // P.V by accumulate_pairs (acc in pair_column order)
 };
 
-template <typename T>
+template <typename T, typename C>
 void run_items(const Problem& p, const at::Tensor& query, const at::Tensor& key_cache,
                const at::Tensor& value_cache, at::Tensor& out, int64_t tile, int64_t threads) {
   std::vector<Item> items = plan(p, tile);
   const T* q = query.data_ptr<T>();
-  const T* k = key_cache.data_ptr<T>();
-  const T* v = value_cache.data_ptr<T>();
+  const C* k = static_cast<const C*>(key_cache.data_ptr());
+  const C* v = static_cast<const C*>(value_cache.data_ptr());
   T* o = out.data_ptr<T>();
   const int heads = static_cast<int>(heads_per_item(p));
   const int rows = static_cast<int>(tile * p.group()) * heads;
@@ -622,9 +665,9 @@ void run_items(const Problem& p, const at::Tensor& query, const at::Tensor& key_
   int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
 #pragma omp parallel num_threads(nthreads)
   {
-    Scratch<T> sc(rows, static_cast<int>(p.head_size), heads);
+    Scratch<T, C> sc(rows, static_cast<int>(p.head_size), heads);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) ItemKernel<T>(p, q, k, v, o, items[i], sc).run();
+    for (int64_t i = 0; i < n; ++i) ItemKernel<T, C>(p, q, k, v, o, items[i], sc).run();
   }
 }
 

@@ -15,15 +15,56 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernel.h"
 #include "problem.h"
 #include "read_ahead.h"
 
+namespace {
+
+// The scales of an 8-bit cache as the kernel reads them: float32 [num_kv_heads], contiguous (the
+// ABI's normalized form); nullptr for a float cache.
+const float* kv_scales(const c10::optional<at::Tensor>& scale, const at::Tensor& cache,
+                       const char* name) {
+  const bool quantized = cache.element_size() == 1;
+  TORCH_CHECK(scale.has_value() == quantized, name, ": expected ",
+              quantized ? "a float32 [num_kv_heads] tensor with an 8-bit cache"
+                        : "None with a float cache");
+  if (!quantized) return nullptr;
+  TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->dim() == 1 &&
+              scale->size(0) == cache.size(1), name, ": expected a contiguous float32 [",
+              cache.size(1), "] tensor, got ", scale->scalar_type(), " ", scale->sizes());
+  return scale->data_ptr<float>();
+}
+
+// The attention with query type T over caches of the cache's dtype (T itself or an 8-bit type).
+template <typename T>
+void run_for_cache(const Problem& p, const at::Tensor& query, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, at::Tensor& out, int64_t tile, int64_t threads) {
+  switch (key_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return run_items<T, at::Float8_e4m3fn>(p, query, key_cache, value_cache, out, tile, threads);
+    case at::kFloat8_e5m2:
+      return run_items<T, at::Float8_e5m2>(p, query, key_cache, value_cache, out, tile, threads);
+    case at::kChar:
+      return run_items<T, int8_t>(p, query, key_cache, value_cache, out, tile, threads);
+    default:
+      TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(),
+                  "key_cache: expected the query's dtype or an 8-bit type, got ",
+                  key_cache.scalar_type());
+      return run_items<T, T>(p, query, key_cache, value_cache, out, tile, threads);
+  }
+}
+
+}  // namespace
+
 // Entry point (called by cpu_impl/backend.py with a checked AttentionProblem's fields; sliding_window
-// <= 0 and soft_cap <= 0 mean none; read_ahead_kv: a decode call first runs read_ahead.h).
+// <= 0 and soft_cap <= 0 mean none; read_ahead_kv: a decode call first runs read_ahead.h; k_scale
+// and v_scale: float32 [num_kv_heads] with an 8-bit cache, None otherwise).
 // Returns false, having written nothing, when the contents break the ABI's rules.
 bool paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -31,7 +72,11 @@ bool paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      at::Tensor out, const c10::optional<at::Tensor>& lse,
                      const c10::optional<at::Tensor>& alibi_slopes, double scale,
                      int64_t sliding_window, double soft_cap, int64_t tile, int64_t threads,
-                     bool read_ahead_kv) {
+                     bool read_ahead_kv, const c10::optional<at::Tensor>& k_scale,
+                     const c10::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(),
+              "value_cache: expected key_cache's dtype ", key_cache.scalar_type(), ", got ",
+              value_cache.scalar_type());
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "index tensors must be contiguous");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 &&
               value_cache.stride(3) == 1, "last dimensions must be contiguous");
@@ -66,6 +111,8 @@ bool paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   p.scale = static_cast<float>(scale);
   p.soft_cap = static_cast<float>(soft_cap);
   p.window = sliding_window;
+  p.k_scale = kv_scales(k_scale, key_cache, "k_scale");
+  p.v_scale = kv_scales(v_scale, value_cache, "v_scale");
   if (!contents_valid(p)) return false;
   if (p.cu_seqlens_q == nullptr && read_ahead_kv) {
     volatile int64_t read = read_ahead(p, key_cache, value_cache, threads);  // keeps the loads
@@ -74,39 +121,123 @@ bool paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   if (p.cu_seqlens_q == nullptr) tile = 1;
   tile = std::max<int64_t>(1, tile);
   if (query.scalar_type() == at::kFloat)
-    run_items<float>(p, query, key_cache, value_cache, out, tile, threads);
+    run_for_cache<float>(p, query, key_cache, value_cache, out, tile, threads);
   else if (query.scalar_type() == at::kHalf)
-    run_items<at::Half>(p, query, key_cache, value_cache, out, tile, threads);
+    run_for_cache<at::Half>(p, query, key_cache, value_cache, out, tile, threads);
   else if (query.scalar_type() == at::kBFloat16)
-    run_items<at::BFloat16>(p, query, key_cache, value_cache, out, tile, threads);
+    run_for_cache<at::BFloat16>(p, query, key_cache, value_cache, out, tile, threads);
   else
     TORCH_CHECK(false, "query: expected float32, float16 or bfloat16, got ", query.scalar_type());
   return true;
 }
 
-// write_kv: cache[slot / block_size, :, slot % block_size] = row for every slot in [0, capacity);
-// other slots (negative: padding) are skipped.
-void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
-              at::Tensor value_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
-  const int64_t n = key.size(0), heads = key.size(1), d = key.size(2), bs = key_cache.size(2);
-  const int64_t capacity = key_cache.size(0) * bs;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t esize = key.element_size();
-  auto copy = [&](const at::Tensor& src, at::Tensor& cache, int64_t t, int64_t slot) {
-    const char* s = static_cast<const char*>(src.data_ptr());
-    char* c = static_cast<char*>(cache.data_ptr());
-    for (int64_t h = 0; h < heads; ++h)
-      std::memcpy(c + ((slot / bs) * cache.stride(0) + h * cache.stride(1) +
-                       (slot % bs) * cache.stride(2)) * esize,
-                  s + (t * src.stride(0) + h * src.stride(1)) * esize, d * esize);
-  };
-  for (int64_t t = 0; t < n; ++t) {
-    int64_t slot = slots[t];
-    if (slot < 0 || slot >= capacity) continue;
-    copy(key, key_cache, t, slot);
-    copy(value, value_cache, t, slot);
+namespace {
+
+// The code of x (a row element already divided by its scale) in an 8-bit cache: fp8 saturates to
+// the format's largest finite value, then rounds to nearest even (c10's conversion, which would
+// turn an overflow into NaN), NaN stays NaN (std::max/min return their first argument for NaN);
+// int8 rounds half to even (nearbyint in the default rounding mode), clamps to [-128, 127], and
+// stores NaN as 0.
+template <typename C>
+C quantize(float x);
+template <>
+at::Float8_e4m3fn quantize(float x) {
+  return at::Float8_e4m3fn(std::min(std::max(x, -448.f), 448.f));
+}
+template <>
+at::Float8_e5m2 quantize(float x) {
+  return at::Float8_e5m2(std::min(std::max(x, -57344.f), 57344.f));
+}
+template <>
+int8_t quantize(float x) {
+  if (std::isnan(x)) return 0;
+  return static_cast<int8_t>(std::clamp(std::nearbyint(x), -128.f, 127.f));
+}
+
+// Writes row t of src ([tokens, heads, d], source type S) into cache slot `slot`: a copy when the
+// cache has S's type (scales nullptr), else element / scales[head] quantised to C.
+template <typename S, typename C>
+void write_row(const at::Tensor& src, at::Tensor& cache, const float* scales, int64_t t,
+               int64_t slot) {
+  const int64_t heads = src.size(1), d = src.size(2), bs = cache.size(2);
+  const S* s = static_cast<const S*>(src.data_ptr());
+  C* c = static_cast<C*>(cache.data_ptr());
+  for (int64_t h = 0; h < heads; ++h) {
+    const S* row = s + t * src.stride(0) + h * src.stride(1);
+    C* dst = c + (slot / bs) * cache.stride(0) + h * cache.stride(1) + (slot % bs) * cache.stride(2);
+    if constexpr (std::is_same_v<S, C>) {
+      std::memcpy(dst, row, d * sizeof(S));
+    } else {
+      const float scale = scales[h];
+      for (int64_t x = 0; x < d; ++x) dst[x] = quantize<C>(scalar_float(row[x]) / scale);
+    }
   }
+}
+
+// write_kv for source type S and cache type C, tokens split over `threads` when there are many.
+template <typename S, typename C>
+void write_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                at::Tensor& value_cache, const int64_t* slots, const float* k_scale,
+                const float* v_scale, int64_t threads) {
+  const int64_t n = key.size(0), capacity = key_cache.size(0) * key_cache.size(2);
+  const bool parallel = !std::is_same_v<S, C> && n * key.size(1) * key.size(2) >= (1 << 16);
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= capacity) continue;
+    write_row<S, C>(key, key_cache, k_scale, t, slot);
+    write_row<S, C>(value, value_cache, v_scale, t, slot);
+  }
+}
+
+template <typename S>
+void write_rows_to(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                   at::Tensor& value_cache, const int64_t* slots, const float* k_scale,
+                   const float* v_scale, int64_t threads) {
+  switch (key_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return write_rows<S, at::Float8_e4m3fn>(key, value, key_cache, value_cache, slots, k_scale,
+                                              v_scale, threads);
+    case at::kFloat8_e5m2:
+      return write_rows<S, at::Float8_e5m2>(key, value, key_cache, value_cache, slots, k_scale,
+                                            v_scale, threads);
+    case at::kChar:
+      return write_rows<S, int8_t>(key, value, key_cache, value_cache, slots, k_scale, v_scale,
+                                   threads);
+    default:
+      TORCH_CHECK(key_cache.scalar_type() == key.scalar_type(),
+                  "key_cache: expected key's dtype or an 8-bit type, got ",
+                  key_cache.scalar_type());
+      return write_rows<S, S>(key, value, key_cache, value_cache, slots, k_scale, v_scale,
+                              threads);
+  }
+}
+
+}  // namespace
+
+// write_kv: cache[slot / block_size, :, slot % block_size] = row for every slot in [0, capacity);
+// other slots (negative: padding) are skipped. An 8-bit cache stores quantize(row / scale[head])
+// (k_scale, v_scale: float32 [num_kv_heads]; None with a float cache).
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
+              at::Tensor value_cache, const at::Tensor& slot_mapping,
+              const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+              int64_t threads) {
+  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() &&
+              key_cache.scalar_type() == value_cache.scalar_type(),
+              "key/value and key_cache/value_cache: expected equal dtypes");
+  const float* ks = kv_scales(k_scale, key_cache, "k_scale");
+  const float* vs = kv_scales(v_scale, value_cache, "v_scale");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  threads = std::max<int64_t>(1, threads);
+  if (key.scalar_type() == at::kFloat)
+    write_rows_to<float>(key, value, key_cache, value_cache, slots, ks, vs, threads);
+  else if (key.scalar_type() == at::kHalf)
+    write_rows_to<at::Half>(key, value, key_cache, value_cache, slots, ks, vs, threads);
+  else if (key.scalar_type() == at::kBFloat16)
+    write_rows_to<at::BFloat16>(key, value, key_cache, value_cache, slots, ks, vs, threads);
+  else
+    TORCH_CHECK(false, "key: expected float32, float16 or bfloat16, got ", key.scalar_type());
 }
 
 // The read-ahead alone (tests): the sum of the bytes read_ahead.h reads for a decode call over these

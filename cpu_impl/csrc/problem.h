@@ -18,6 +18,8 @@ struct Problem {
   const int32_t* cu_seqlens_q;              // nullptr in decode
   const float* alibi;                       // nullptr when absent
   float* lse;                               // nullptr when absent; contiguous [tokens, heads]
+  const float* k_scale;                     // [num_kv_heads] for an 8-bit cache, else nullptr
+  const float* v_scale;                     // as k_scale
   float scale, soft_cap;                    // soft_cap <= 0: none
   int64_t window;                           // <= 0: none
   int group() const { return static_cast<int>(num_heads / num_kv_heads); }

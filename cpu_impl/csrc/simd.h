@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -55,6 +56,57 @@ inline float scalar_float(float x) { return x; }
 inline float scalar_float(at::BFloat16 x) { return static_cast<float>(x); }
 inline float scalar_float(at::Half x) { return static_cast<float>(x); }
 
+// --- 8-bit cache elements ------------------------------------------------------------------
+// An 8-bit cache (fp8 e4m3fn, fp8 e5m2, int8) holds codes whose float32 value the kernel
+// multiplies by the KV head's scale (kernel.h folds that scale into the query and the output).
+// The conversions below give the code's exact value, NaN for e4m3fn's S.1111.111 and e5m2's NaNs.
+//
+// e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits, subnormals, no infinities. Its bits
+// moved into an f16 (sign to bit 15, exponent and mantissa to bits 7..13) give the value / 2^8 for
+// every code, subnormals included (both formats' subnormals sit at their lowest exponent, 8
+// apart); one F16C conversion and a multiplication by 2^8 (exact) follow. e5m2 is the top byte of
+// an f16. The portable path reads a 256-entry table.
+constexpr float kE4m3Unit = 256.f;  // e4m3fn value = f16 reading of its moved bits * 2^8
+
+// The value of an e4m3fn code by its definition (the table's source, and the scalar tails').
+inline float e4m3_value(uint8_t b) {
+  const int exponent = (b >> 3) & 0xF, mantissa = b & 0x7;
+  if (exponent == 0xF && mantissa == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  const float magnitude = exponent == 0 ? std::ldexp(mantissa / 8.f, -6)
+                                        : std::ldexp(1.f + mantissa / 8.f, exponent - 7);
+  return (b & 0x80) ? -magnitude : magnitude;
+}
+
+struct Fp8Table {
+  float value[256];
+  explicit Fp8Table(float (*decode)(uint8_t)) {
+    for (int b = 0; b < 256; ++b) value[b] = decode(static_cast<uint8_t>(b));
+  }
+};
+
+inline float e5m2_value(uint8_t b) {
+  return static_cast<float>(c10::Half(static_cast<uint16_t>(b << 8), c10::Half::from_bits()));
+}
+
+inline const float* e4m3_table() {
+  static const Fp8Table table(e4m3_value);
+  return table.value;
+}
+inline const float* e5m2_table() {
+  static const Fp8Table table(e5m2_value);
+  return table.value;
+}
+
+inline float scalar_float(at::Float8_e4m3fn x) { return e4m3_table()[x.x]; }
+inline float scalar_float(at::Float8_e5m2 x) { return e5m2_table()[x.x]; }
+inline float scalar_float(int8_t x) { return static_cast<float>(x); }
+
+template <typename C>
+constexpr bool is_8bit_cache() {
+  return std::is_same_v<C, at::Float8_e4m3fn> || std::is_same_v<C, at::Float8_e5m2> ||
+         std::is_same_v<C, int8_t>;
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PK_SIMD 1
 // Eight consecutive elements widened to float32.
@@ -65,6 +117,27 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// 8-bit codes (see "8-bit cache elements" above): widened to 16 bits, then to float32.
+inline __m128i load_bytes8(const void* p) {
+  return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+}
+inline __m256 load8(const at::Float8_e5m2* p) {
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(load_bytes8(p)), 8));
+}
+inline __m256 load8(const at::Float8_e4m3fn* p) {
+  // Sign-extended bytes shifted left by 7: the sign reaches bit 15 (and 14, cleared), exponent
+  // and mantissa bits 7..13.
+  const __m128i w = _mm_cvtepi8_epi16(load_bytes8(p));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+  const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(kE4m3Unit));
+  const __m128i low7 = _mm_set1_epi16(0x7F);
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(w, low7), low7);
+  return _mm256_blendv_ps(v, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                          _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(p)));
 }
 #endif
 
@@ -80,8 +153,95 @@ inline __m512 load16(const at::BFloat16* p) {
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 load16(const at::Float8_e5m2* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+}
+inline __m512 load16(const at::Float8_e4m3fn* p) {  // as load8's
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                     _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(kE4m3Unit));
+  const __m128i low7 = _mm_set1_epi8(0x7F);
+  const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, low7), low7);
+  return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 8-bit codes to bf16, for the vdpbf16ps paths (kernel.h stages a unit of K or V rows this way).
+// Every e4m3fn, e5m2 and int8 value is a bf16 (at most 4 significant bits for fp8, 7 for int8;
+// exponents well inside bf16's range, no subnormal bf16), so the conversion is exact. fp8: a
+// table of the bf16 bits of the 128 codes without their sign bit, looked up 32 codes at a time
+// by two vpermi2w (64 words each) and a blend on bit 6, the sign bit then OR'd in (NaN codes
+// give a bf16 NaN); on this path, 3 lookups cost less than the bit manipulation through f16 and
+// float32 (which needs two conversions and a pack). int8: sign-extend, to float32, pack.
+inline uint16_t bf16_bits(float x) {
+  if (std::isnan(x)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return static_cast<uint16_t>(u >> 16);  // exact for the values above
+}
+
+struct Bf16Table {
+  alignas(64) uint16_t bits[128];
+  explicit Bf16Table(float (*decode)(uint8_t)) {
+    for (int b = 0; b < 128; ++b) bits[b] = bf16_bits(decode(static_cast<uint8_t>(b)));
+  }
+};
+
+template <typename C>
+const uint16_t* bf16_table() {
+  static const Bf16Table table(std::is_same_v<C, at::Float8_e4m3fn> ? e4m3_value : e5m2_value);
+  return table.bits;
+}
+
+// dst + i * d = the bf16 values of rows[i][0..d), i < n; d % 32 == 0.
+template <typename C>
+inline void codes_to_bf16(const C* const* rows, int n, int d, uint16_t* dst) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    for (int i = 0; i < n; ++i)
+      for (int x = 0; x < d; x += 32) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + x));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+        _mm512_storeu_si512(dst + i * d + x, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+  } else {
+    const uint16_t* t = bf16_table<C>();
+    const __m512i t0 = _mm512_load_si512(t), t1 = _mm512_load_si512(t + 32);
+    const __m512i t2 = _mm512_load_si512(t + 64), t3 = _mm512_load_si512(t + 96);
+    const __m512i bit6 = _mm512_set1_epi16(0x40);
+    const __m512i sign = _mm512_set1_epi16(static_cast<short>(0x8000));
+    for (int i = 0; i < n; ++i)
+      for (int x = 0; x < d; x += 32) {
+        // Sign-extended codes: bits 0..5 index a 64-word pair of tables, bit 6 picks the pair,
+        // bit 15 is the sign.
+        const __m512i w =
+            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + x)));
+        const __m512i low = _mm512_permutex2var_epi16(t0, w, t1);
+        const __m512i high = _mm512_permutex2var_epi16(t2, w, t3);
+        const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, bit6), low, high);
+        _mm512_storeu_si512(dst + i * d + x, _mm512_ternarylogic_epi32(mag, w, sign, 0xF8));
+      }
+  }
+}
 
 #endif
+
+// n 8-bit codes widened to their float32 values (the widened-row paths of kernel.h).
+template <typename C, std::enable_if_t<is_8bit_cache<C>(), int> = 0>
+inline void to_float(const C* src, float* dst, int n) {
+  int i = 0;
+#if defined(PK_AVX512)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#endif
+#if defined(PK_SIMD)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = scalar_float(src[i]);
+}
 
 // --- small vector kernels -----------------------------------------------------------------
 
