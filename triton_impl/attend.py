@@ -6,12 +6,19 @@ sequence and one KV head, read `TILE_N` tokens at a time through the block table
 outside `[kv_lo, kv_hi)` is neither loaded nor its block-table entry read, so unused cache slots
 (NaN included) and unused block-table entries never reach the result.
 
+8-bit caches (float8_e4m3fn, float8_e5m2, int8): K/V tiles are loaded in the cache's own type and
+converted to the query's type, which holds every 8-bit value exactly; the per-KV-head scales are
+applied outside the dots (the caller folds `k_scale` into the score scale and multiplies the
+output by `v_scale`), so `q . (k * k_scale)` and `sum p * (v * v_scale)` are computed as today.
+
 Scores are kept in the log2 domain (`exp2` is a single instruction on the GPU): `s2 = s * log2(e)`;
 the running maximum `m` and the log-sum-exp returned by `finish` are log2-domain values too.
 
 Interpreter workaround (Triton 3.9): the interpreter's `tl.dot` returns garbage for bfloat16
 operands, so `UPCAST` (set only when TRITON_INTERPRET=1, see `runtime.interpreting`) converts both
-operands to float32 first. On the GPU `UPCAST` is False and the native bf16 tensor-core dot runs.
+operands to float32 first, and 8-bit K/V tiles go straight to float32 (its int8 -> bfloat16
+conversion reinterprets bits). On the GPU `UPCAST` is False and the native bf16 tensor-core dot
+runs.
 """
 
 import triton
@@ -31,6 +38,18 @@ def dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         r = tl.dot(a, b, input_precision="ieee")
     else:
         r = tl.dot(a, b)
+    return r
+
+
+@triton.jit
+def to_operand(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """A K or V tile as a dot operand of the query's `dtype` (a no-op for a float cache; exact
+    for an 8-bit one). Under UPCAST it goes to float32 instead, which `dot` would convert to
+    anyway: the interpreter converts int8 to bfloat16 by reinterpreting bits."""
+    if UPCAST:
+        r = x.to(tl.float32)
+    else:
+        r = x.to(dtype)
     return r
 
 
@@ -67,7 +86,7 @@ def attend_keys(
         slot = k_pos % BLOCK_SIZE
         kt = tl.load(k_base + (block * stride_kb + slot * stride_kt)[None, :] + offs_d[:, None],
                      mask=load_ok[None, :] & d_ok[:, None], other=0.0)
-        s = dot(q, kt, IEEE, UPCAST)
+        s = dot(q, to_operand(kt, q.dtype, UPCAST), IEEE, UPCAST)
         if USE_SOFT_CAP:
             s = (soft_cap * LOG2E) * tanh(s * (scale / soft_cap))
         else:
@@ -87,9 +106,23 @@ def attend_keys(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + (block * stride_vb + slot * stride_vt)[:, None] + offs_d[None, :],
                     mask=load_ok[:, None] & d_ok[None, :], other=0.0)
+        v = to_operand(v, q.dtype, UPCAST)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE, UPCAST)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def kv_scales(k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED: tl.constexpr):
+    """`(k_scale, v_scale)` of `kv_head` for an 8-bit cache (float32 `[num_kv_heads]` tensors),
+    `(1.0, 1.0)` for a float cache (the pointers are then unused)."""
+    if KV_SCALED:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k_scale, v_scale
 
 
 @triton.jit

@@ -26,6 +26,7 @@ SUPPORT = Support(
     features=frozenset(FEATURES),
     max_head_size=MAX_HEAD_SIZE,
     max_block_size=MAX_BLOCK_SIZE,
+    kv_cache_dtypes=frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.int8}),
     reasons=(
         ("max_head_size", "one program's [rows, head_size] float32 accumulator lives in "
                           "registers; head sizes are padded to a power of two"),
@@ -56,7 +57,12 @@ class TritonBackend(Backend):
             device_type, self.priority = "cuda", 10
         else:
             raise BackendUnavailable("no CUDA device, and TRITON_INTERPRET=1 is not set")
-        self._support = dataclasses.replace(SUPPORT, device_types=frozenset({device_type}))
+        kv_cache_dtypes = SUPPORT.kv_cache_dtypes
+        if device_type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+            # Triton has no e4m3 type before sm_89 (docs/triton.md)
+            kv_cache_dtypes = kv_cache_dtypes - {torch.float8_e4m3fn}
+        self._support = dataclasses.replace(SUPPORT, device_types=frozenset({device_type}),
+                                            kv_cache_dtypes=kv_cache_dtypes)
         from triton_impl import decode, unified, write_kv
         self._decode, self._varlen, self._write_kv = (decode.paged_decode, unified.paged_varlen,
                                                       write_kv.write_kv)
@@ -74,9 +80,11 @@ class TritonBackend(Backend):
                 self._varlen(problem)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         with self._runtime.device_of(key_cache):
-            self._write_kv(key, value, key_cache, value_cache, slot_mapping.contiguous())
+            self._write_kv(key, value, key_cache, value_cache, slot_mapping.contiguous(),
+                           k_scale, v_scale)
 
 
 def _dense_indices(p: AttentionProblem) -> AttentionProblem:

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from paged_kernels.abi import AttentionProblem
 from triton_impl import configs, runtime
-from triton_impl.attend import LN2, LOG2E, attend_keys, finish
+from triton_impl.attend import LN2, LOG2E, attend_keys, finish, kv_scales
 
 SPLIT_SIZE_ENV = "PAGED_KERNELS_TRITON_SPLIT_SIZE"
 #: The fewest programs per SM the split heuristic accepts before it shortens the splits. About 4
@@ -129,17 +129,19 @@ def _kv_base(seq_len, window, USE_WINDOW: tl.constexpr, TILE_N: tl.constexpr):
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, slopes_ptr, out_ptr, lse_ptr,
-    scale, soft_cap, window, split_size,
+    k_scale_ptr, v_scale_ptr, scale, soft_cap, window, split_size,
     stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_bt, stride_os, stride_oh, stride_ok, stride_ls, stride_lh, stride_lk,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_ALIBI: tl.constexpr,
     HAS_LSE: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    k_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = _kv_base(seq_len, window, USE_WINDOW, TILE_N) + split * split_size
     # split 0 always writes, so that even an (ABI-invalid) empty sequence gets out 0, lse -inf
@@ -169,9 +171,11 @@ def _decode_kernel(
     acc, m_i, l_i = attend_keys(
         acc, m_i, l_i, q, q_pos, slope2, k_ptr + kv_head64 * stride_kh,
         v_ptr + kv_head64 * stride_vh, bt_ptr + seq * stride_bt, stride_kb, stride_kt,
-        stride_vb, stride_vt, kv_lo, kv_hi, scale, soft_cap, window, HEAD_SIZE, HEAD_PAD,
-        BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFT_CAP, USE_ALIBI, IEEE, UPCAST)
+        stride_vb, stride_vt, kv_lo, kv_hi, scale * k_scale, soft_cap, window, HEAD_SIZE,
+        HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFT_CAP, USE_ALIBI, IEEE, UPCAST)
     out, lse2 = finish(acc, m_i, l_i)
+    if KV_SCALED:
+        out = out * v_scale
 
     o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + split * stride_ok
     tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -247,7 +251,7 @@ def paged_decode(p: AttentionProblem) -> None:
     flags = runtime.kernel_flags(p)
     _decode_kernel[(p.num_seqs, p.num_kv_heads, num_splits)](
         q, k, v, p.block_tables, p.seq_lens, p.alibi_slopes, target, target_lse,
-        p.scale, p.soft_cap or 1.0, p.sliding_window or 1, split_size,
+        p.k_scale, p.v_scale, p.scale, p.soft_cap or 1.0, p.sliding_window or 1, split_size,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), p.block_tables.stride(0), *o_strides, *l_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=p.head_size,

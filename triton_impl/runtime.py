@@ -53,11 +53,13 @@ def device_of(t: torch.Tensor) -> ContextManager:
 def kernel_flags(p: AttentionProblem) -> dict[str, bool]:
     """The constexpr switches of the attention kernels for `p`: its features, exact float32
     products (IEEE; tl.dot would use TF32), and UPCAST, the interpreter's bf16 tl.dot workaround
-    (attend.py), which is set only under the interpreter so the GPU keeps its bf16 tensor-core dot.
+    (attend.py), which is set only under the interpreter so the GPU keeps its bf16 tensor-core dot;
+    KV_SCALED, an 8-bit cache whose per-KV-head scales the kernels apply.
     """
     return {
         "USE_WINDOW": p.sliding_window is not None, "USE_SOFT_CAP": p.soft_cap is not None,
         "USE_ALIBI": p.alibi_slopes is not None, "HAS_LSE": p.lse is not None,
         "IEEE": p.query.dtype == torch.float32,
         "UPCAST": interpreting() and p.query.dtype == torch.bfloat16,
+        "KV_SCALED": p.k_scale is not None,
     }

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from paged_kernels.abi import AttentionProblem
 from triton_impl import configs, runtime
-from triton_impl.attend import LN2, LOG2E, attend_keys, finish
+from triton_impl.attend import LN2, LOG2E, attend_keys, finish, kv_scales
 
 
 @triton.jit
@@ -45,13 +45,14 @@ def _find_seq(cu_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _varlen_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, cu_ptr, slopes_ptr, out_ptr, lse_ptr,
-    scale, soft_cap, window, num_seqs,
+    k_scale_ptr, v_scale_ptr, scale, soft_cap, window, num_seqs,
     stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_bt, stride_ot, stride_oh, stride_lt, stride_lh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     USE_ALIBI: tl.constexpr, HAS_LSE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -62,6 +63,7 @@ def _varlen_kernel(
     if first_q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
+    k_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED)
 
     rows = tl.arange(0, BLOCK_M)
     q_idx = first_q + rows // GROUP
@@ -88,10 +90,12 @@ def _varlen_kernel(
     acc, m_i, l_i = attend_keys(
         acc, m_i, l_i, q, q_pos, slope2, k_ptr + kv_head64 * stride_kh,
         v_ptr + kv_head64 * stride_vh, bt_ptr + seq.to(tl.int64) * stride_bt, stride_kb,
-        stride_kt, stride_vb, stride_vt, kv_lo, last_pos + 1, scale, soft_cap, window,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFT_CAP, USE_ALIBI, IEEE,
-        UPCAST)
+        stride_kt, stride_vb, stride_vt, kv_lo, last_pos + 1, scale * k_scale, soft_cap,
+        window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFT_CAP, USE_ALIBI,
+        IEEE, UPCAST)
     out, lse2 = finish(acc, m_i, l_i)
+    if KV_SCALED:
+        out = out * v_scale
 
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_qd)
@@ -110,7 +114,7 @@ def paged_varlen(p: AttentionProblem) -> None:
     grid = (p.num_tokens // block_q + p.num_seqs, p.num_kv_heads)
     _varlen_kernel[grid](
         q, k, v, p.block_tables, p.seq_lens, p.cu_seqlens_q, p.alibi_slopes, p.out, p.lse,
-        p.scale, p.soft_cap or 1.0, p.sliding_window or 1, p.num_seqs,
+        p.k_scale, p.v_scale, p.scale, p.soft_cap or 1.0, p.sliding_window or 1, p.num_seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), p.block_tables.stride(0),
         p.out.stride(0), p.out.stride(1), *lse_strides,

@@ -1,14 +1,17 @@
 // pk_decode.cuh: paged decode attention (one query token per sequence) with split-K partitions:
-// the SIMT kernel (launched for float32; float16/bfloat16 run pk_decode_mma_kernel, which was
-// 24-30 % faster on an H200) and the reduce kernel of both decode kernels.
+// the SIMT kernel (launched for float32, and for every query dtype over an 8-bit cache;
+// float16/bfloat16 over their own dtype run pk_decode_mma_kernel, which was 24-30 % faster on an
+// H200) and the reduce kernel of both decode kernels.
 //
-// pk_decode_kernel<T, HEAD_SIZE, GROUP_TILE>
+// pk_decode_kernel<T, HEAD_SIZE, GROUP_TILE>, T = float, or PkKv8 (pk_kv8.cuh: an 8-bit cache,
+//   read 4 bytes per load, the query and output of p.dtype, the scales folded into the query's
+//   pre-scale and the output's 1 / sum)
 //   Grid: (num_kv_heads * num_head_chunks, num_seqs, num_splits); 128 threads (4 warps).
 //   One thread block owns: one sequence, one KV head, up to GROUP_TILE query heads of that KV
 //   head's GQA group (chunk `blockIdx.x % num_head_chunks`), and one partition of
 //   `partition_size` key positions of the visible context [ctx_start, seq_len).
-//   Bytes moved: each K and V row of the partition is read exactly once (16-byte loads, TG
-//   threads per row) and serves all GROUP_TILE query heads; the queries (GROUP_TILE rows) once.
+//   Bytes moved: each K and V row of the partition is read exactly once (16-byte loads, or 4-byte
+//   loads of an 8-bit cache; TG threads per row) and serves all GROUP_TILE query heads; the queries (GROUP_TILE rows) once.
 //   Writes GROUP_TILE output rows (T) + lse, or, with num_splits > 1, float32 partial rows plus
 //   their running max and sum for pk_decode_reduce_kernel.
 //   Phases: (1) scores of every key of the partition for every head into shared memory,
@@ -28,6 +31,7 @@
 //   their (unwritten) partial rows are never read.
 #pragma once
 #include "pk_common.cuh"
+#include "pk_kv8.cuh"
 #include "pk_ops.h"
 // The tensor-core decode kernel (f16/bf16); it shares pk_decode_reduce_kernel below, and this
 // header is the one the run-time (NVRTC) path compiles for every pk_decode* kernel.
@@ -64,6 +68,8 @@ template <typename T, int HEAD_SIZE, int GROUP_TILE>
 __global__ void __launch_bounds__(PK_DECODE_THREADS, 1)
 pk_decode_kernel(const PkAttnParams p) {
   using S = PkDecodeShape<T, HEAD_SIZE>;
+  using Io = PkKvIo<T>;
+  using C = typename Io::Cache;
   constexpr int VEC = S::VEC, VPT = S::VPT, TG = S::TG;
   extern __shared__ float4 pk_smem4[];
   float* smem = reinterpret_cast<float*>(pk_smem4);
@@ -102,20 +108,22 @@ pk_decode_kernel(const PkAttnParams p) {
       }
     }
     if (num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + seq * p.o_stride_token;
       for (int i = threadIdx.x; i < nh * HEAD_SIZE; i += PK_DECODE_THREADS)
-        out[(head0 + i / HEAD_SIZE) * p.o_stride_head + i % HEAD_SIZE] = pk_from_float<T>(0.f);
+        Io::store_out1(p, seq * p.o_stride_token + (head0 + i / HEAD_SIZE) * p.o_stride_head +
+                              i % HEAD_SIZE, 0.f);
     }
     return;
   }
 
-  // ---- the queries of the group, pre-scaled, in registers ----
-  const float scale = static_cast<float>(p.scale);
+  // ---- the queries of the group, pre-scaled (by k_scale too), in registers ----
+  const float2 kv_scale = pk_kv_scales(p, kvh);
+  const int kv_fmt = static_cast<int>(p.kv_dtype);
+  const float scale = static_cast<float>(p.scale) * kv_scale.x;
   const float soft_cap = static_cast<float>(p.soft_cap);
   float q[GROUP_TILE][VPT][VEC];
   float slope[GROUP_TILE];
   {
-    const T* qrow = static_cast<const T*>(p.q) + seq * p.q_stride_token;
+    const int64_t qrow = seq * p.q_stride_token;
 #pragma unroll
     for (int g = 0; g < GROUP_TILE; ++g) {
       slope[g] = (p.alibi_slopes != nullptr && g < nh)
@@ -123,9 +131,8 @@ pk_decode_kernel(const PkAttnParams p) {
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
         const int v = li + j * TG;
-        uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-        if (g < nh && v < S::NVEC) raw = pk_load16(qrow + (head0 + g) * p.q_stride_head + v * VEC);
-        pk_unpack16<T>(raw, q[g][j]);
+        Io::load_q(p, qrow + (head0 + g) * p.q_stride_head + v * VEC, g < nh && v < S::NVEC,
+                   q[g][j]);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) q[g][j][e] *= scale;
       }
@@ -153,16 +160,16 @@ pk_decode_kernel(const PkAttnParams p) {
   };
   // This thread's 16-byte pieces of the rows base + u * ROWS_PER_STEP + row_in_step of one cache
   // (K or V), all issued before any is used; zeros past the partition's n rows.
-  auto load_rows = [&](uint4 (&raw)[S::UNROLL][VPT], const T* cache, int base,
+  auto load_rows = [&](uint4 (&raw)[S::UNROLL][VPT], const C* cache, int base,
                        int64_t stride_block, int64_t stride_slot) {
 #pragma unroll
     for (int u = 0; u < S::UNROLL; ++u) {
       const int i = base + u * S::ROWS_PER_STEP + row_in_step;
-      const T* row = i < n ? cache + row_offset(i, stride_block, stride_slot) : nullptr;
+      const C* row = i < n ? cache + row_offset(i, stride_block, stride_slot) : nullptr;
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
         const int v = li + j * TG;
-        raw[u][j] = (row != nullptr && v < S::NVEC) ? pk_load16(row + v * VEC)
+        raw[u][j] = (row != nullptr && v < S::NVEC) ? Io::load_kv(row + v * VEC)
                                                     : make_uint4(0u, 0u, 0u, 0u);
       }
     }
@@ -180,7 +187,7 @@ pk_decode_kernel(const PkAttnParams p) {
                              : 0.f;
 #endif
   {
-    const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_stride_head;
+    const C* kbase = static_cast<const C*>(p.k_cache) + kvh * p.k_stride_head;
     for (int base = 0; base < n; base += S::ROWS_PER_STEP * S::UNROLL) {
       uint4 raw[S::UNROLL][VPT];
       load_rows(raw, kbase, base, p.k_stride_block, p.k_stride_slot);
@@ -192,7 +199,7 @@ pk_decode_kernel(const PkAttnParams p) {
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
           float k[VEC];
-          pk_unpack16<T>(raw[u][j], k);
+          Io::unpack_kv(raw[u][j], kv_fmt, k);
 #pragma unroll
           for (int g = 0; g < GROUP_TILE; ++g)
 #pragma unroll
@@ -247,7 +254,7 @@ pk_decode_kernel(const PkAttnParams p) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[g][j][e] = 0.f;
   {
-    const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.v_stride_head;
+    const C* vbase = static_cast<const C*>(p.v_cache) + kvh * p.v_stride_head;
     for (int base = 0; base < n; base += S::ROWS_PER_STEP * S::UNROLL) {
       uint4 raw[S::UNROLL][VPT];
       load_rows(raw, vbase, base, p.v_stride_block, p.v_stride_slot);
@@ -261,7 +268,7 @@ pk_decode_kernel(const PkAttnParams p) {
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
           float v[VEC];
-          pk_unpack16<T>(raw[u][j], v);
+          Io::unpack_kv(raw[u][j], kv_fmt, v);
 #pragma unroll
           for (int g = 0; g < GROUP_TILE; ++g)
 #pragma unroll
@@ -301,7 +308,7 @@ pk_decode_kernel(const PkAttnParams p) {
   for (int idx = threadIdx.x; idx < nh * S::NVEC; idx += PK_DECODE_THREADS) {
     const int g = idx / S::NVEC, v = idx % S::NVEC;
     const int64_t row = static_cast<int64_t>(seq) * num_heads + head0 + g;
-    const float inv = 1.f / s_sum[g];
+    const float inv = 1.f / s_sum[g] * kv_scale.y;
     float o[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
@@ -311,9 +318,7 @@ pk_decode_kernel(const PkAttnParams p) {
       o[e] = sum * inv;
     }
     if (num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + seq * p.o_stride_token +
-               (head0 + g) * p.o_stride_head + v * VEC;
-      pk_store16<T>(out, o);
+      Io::store_out(p, seq * p.o_stride_token + (head0 + g) * p.o_stride_head + v * VEC, o);
       if (v == 0 && p.lse != nullptr)
         static_cast<float*>(p.lse)[row] = s_max[g] + logf(s_sum[g]);
     } else {

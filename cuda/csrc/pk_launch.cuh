@@ -4,7 +4,8 @@
 // params struct from cuda/paged_cuda/planner.py; these functions only map its runtime values to
 // the compiled template instantiations and launch. Each dtype's attention kernels are
 // instantiated in their own translation unit (pk_attention_<dtype>.cu) so nvcc compiles them in
-// parallel.
+// parallel; the kernels over an 8-bit cache, for every query dtype, in pk_attention_kv8.cu
+// (T = PkKv8: the SIMT decode and varlen kernels).
 //
 // PK_HEAD_SIZES(X) lists the compiled head sizes. Defining PK_REDUCED_HEAD_SIZES (the compile
 // check's fast mode) or PK_HOST_INSTANTIATIONS (the host build's reduced set) compiles only 64 and
@@ -31,17 +32,36 @@ const char* pk_launch_one(Kernel kernel, const PkAttnParams& p, void* stream) {
   return PK_LAST_LAUNCH_ERROR();
 }
 
-// A decode kernel, then (with split-K partitions) the reduce kernel.
+// PkKv8 (an 8-bit cache, the query's dtype at run time), and the element types the SIMT kernels
+// are instantiated for: float and PkKv8.
+template <typename T> constexpr bool pk_is_kv8 = false;
+template <> constexpr bool pk_is_kv8<PkKv8> = true;
+template <typename T> constexpr bool pk_simt_type = pk_is_kv8<T>;
+template <> constexpr bool pk_simt_type<float> = true;
+
+template <typename T>
+const char* pk_launch_reduce(const PkAttnParams& p, void* stream) {
+  auto reduce = &pk_decode_reduce_kernel<T>;
+  PK_LAUNCH(reduce, dim3(p.reduce_grid_x, p.reduce_grid_y, 1), dim3(p.reduce_threads), 0,
+            PK_STREAM(stream), p);
+  return PK_LAST_LAUNCH_ERROR();
+}
+
+// A decode kernel, then (with split-K partitions) the reduce kernel of the output's dtype.
 template <typename T, typename Kernel>
 const char* pk_launch_decode_and_reduce(Kernel kernel, const PkAttnParams& p, void* stream) {
   if (const char* err = pk_launch_one(kernel, p, stream)) return err;
-  if (p.num_splits > 1) {
-    auto reduce = &pk_decode_reduce_kernel<T>;
-    PK_LAUNCH(reduce, dim3(p.reduce_grid_x, p.reduce_grid_y, 1), dim3(p.reduce_threads), 0,
-              PK_STREAM(stream), p);
-    return PK_LAST_LAUNCH_ERROR();
+  if (p.num_splits <= 1) return nullptr;
+  if constexpr (pk_is_kv8<T>) {
+    switch (p.dtype) {
+      case PK_FLOAT32: return pk_launch_reduce<float>(p, stream);
+      case PK_FLOAT16: return pk_launch_reduce<__half>(p, stream);
+      case PK_BFLOAT16: return pk_launch_reduce<__nv_bfloat16>(p, stream);
+      default: return "decode: dtype must be float32, float16 or bfloat16";
+    }
+  } else {
+    return pk_launch_reduce<T>(p, stream);
   }
-  return nullptr;
 }
 
 template <typename T, int D, int GT>
@@ -64,10 +84,11 @@ const char* pk_launch_decode_mma(const PkAttnParams& p, void* stream) {
   }
 }
 
-// The SIMT decode kernel is float32's; 16-bit types run pk_decode_mma_kernel.
+// The SIMT decode kernel is float32's and the 8-bit caches'; 16-bit types run
+// pk_decode_mma_kernel.
 template <typename T, int D>
 const char* pk_launch_decode_group(const PkAttnParams& p, void* stream) {
-  if constexpr (sizeof(T) == 4) {
+  if constexpr (pk_simt_type<T>) {
     switch (p.group_tile) {
       case 1: return pk_launch_decode<T, D, 1>(p, stream);
       case 2: return pk_launch_decode<T, D, 2>(p, stream);
@@ -76,12 +97,13 @@ const char* pk_launch_decode_group(const PkAttnParams& p, void* stream) {
       default: return "decode: group_tile must be 1, 2, 4 or 8";
     }
   } else {
-    return "decode: the SIMT kernel takes float32 only (16-bit types run the mma kernel)";
+    return "decode: the SIMT kernel takes float32 or an 8-bit cache (16-bit types run the mma "
+           "kernel)";
   }
 }
 
 // The varlen kernels: the cp.async-ring mma kernel for 16-bit types (the plan's thread count
-// picks its warps), the SIMT kernel for float32.
+// picks its warps), the SIMT kernel for float32 and 8-bit caches.
 template <typename T, int D>
 const char* pk_launch_varlen(const PkAttnParams& p, void* stream) {
   if constexpr (sizeof(T) == 2) {
@@ -92,7 +114,8 @@ const char* pk_launch_varlen(const PkAttnParams& p, void* stream) {
       default: return "varlen: the mma kernel runs 128 or 256 threads (4 or 8 warps)";
     }
   } else {
-    if (p.kernel != PK_KERNEL_VARLEN_SIMT) return "varlen: float32 runs the SIMT kernel only";
+    if (p.kernel != PK_KERNEL_VARLEN_SIMT)
+      return "varlen: float32 and 8-bit caches run the SIMT kernel only";
     return pk_launch_one(&pk_varlen_simt_kernel<T, D>, p, stream);
   }
 }
@@ -119,3 +142,4 @@ const char* pk_launch_attention(const PkAttnParams& p, void* stream) {
 const char* pk_attention_f32(const PkAttnParams& p, void* stream);
 const char* pk_attention_f16(const PkAttnParams& p, void* stream);
 const char* pk_attention_bf16(const PkAttnParams& p, void* stream);
+const char* pk_attention_kv8(const PkAttnParams& p, void* stream);

@@ -3,6 +3,11 @@
 #include "pk_cache.cuh"
 
 const char* pk_paged_attention(const PkAttnParams& p, void* stream) {
+  if (p.kv_dtype != PK_KV_NATIVE) {
+    if (p.kv_dtype < PK_KV_FP8_E4M3 || p.kv_dtype > PK_KV_INT8)
+      return "kv_dtype must be 0 (the query's dtype), 1 (e4m3), 2 (e5m2) or 3 (int8)";
+    return pk_attention_kv8(p, stream);
+  }
   switch (p.dtype) {
     case PK_FLOAT32: return pk_attention_f32(p, stream);
     case PK_FLOAT16: return pk_attention_f16(p, stream);
@@ -18,7 +23,24 @@ static const char* pk_launch_write_kv(const PkWriteKvParams& p, void* stream) {
   return PK_LAST_LAUNCH_ERROR();
 }
 
+template <typename T>
+static const char* pk_launch_write_kv_quant(const PkWriteKvParams& p, void* stream) {
+  auto kernel = &pk_write_kv_quant_kernel<T>;
+  PK_LAUNCH(kernel, dim3(p.grid_x, p.grid_y, 1), dim3(p.threads), 0, PK_STREAM(stream), p);
+  return PK_LAST_LAUNCH_ERROR();
+}
+
 const char* pk_write_kv(const PkWriteKvParams& p, void* stream) {
+  if (p.kv_dtype != PK_KV_NATIVE) {
+    if (p.kv_dtype < PK_KV_FP8_E4M3 || p.kv_dtype > PK_KV_INT8)
+      return "write_kv: kv_dtype must be 0 (the rows' dtype), 1 (e4m3), 2 (e5m2) or 3 (int8)";
+    switch (p.dtype) {
+      case PK_FLOAT32: return pk_launch_write_kv_quant<float>(p, stream);
+      case PK_FLOAT16: return pk_launch_write_kv_quant<__half>(p, stream);
+      case PK_BFLOAT16: return pk_launch_write_kv_quant<__nv_bfloat16>(p, stream);
+      default: return "write_kv: dtype must be float32, float16 or bfloat16";
+    }
+  }
   switch (p.unit_bytes) {
     case 16: return pk_launch_write_kv<uint4>(p, stream);
     case 8: return pk_launch_write_kv<uint2>(p, stream);

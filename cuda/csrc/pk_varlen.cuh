@@ -33,13 +33,16 @@
 //   DP = HEAD_SIZE + 8; a slot's K and V are adjacent), and Q [16 * WARPS][DP]: up to head size
 //   128 in slot 1 (its fragments go to registers before that slot's first copy, which is issued
 //   after a barrier), else after the ring (reloaded per tile).
-// pk_varlen_simt_kernel<T, HEAD_SIZE> (float32; plan stages = 0, 128 threads): 4 warps x 4 rows
+// pk_varlen_simt_kernel<T, HEAD_SIZE> (T = float, or PkKv8 for an 8-bit cache under a query of
+//   any dtype (pk_kv8.cuh: k_scale folded into the query's pre-scale, v_scale into the output's
+//   1 / sum); plan stages = 0, 128 threads): 4 warps x 4 rows
 //   (16 rows), lane j <-> key j of a PK_VARLEN_SIMT_BN-key tile loaded synchronously, float32
 //   everywhere. Shared memory: Q [16][HEAD_SIZE], K [BN][HEAD_SIZE + 1], V [BN][HEAD_SIZE]
 //   (float).
 #pragma once
 #include "pk_common.cuh"
 #include "pk_cp_async.cuh"
+#include "pk_kv8.cuh"
 #include "pk_mma.cuh"
 #include "pk_ops.h"
 
@@ -326,7 +329,9 @@ template <typename T, int HEAD_SIZE>
 __global__ void __launch_bounds__(PK_VARLEN_THREADS, 1)
 pk_varlen_simt_kernel(const PkAttnParams p) {
   constexpr int BN = PK_VARLEN_SIMT_BN, D = HEAD_SIZE, KP = D + 1, RPW = PK_VARLEN_SIMT_RPW;
-  constexpr int VEC = PkVec<T>::N, NVEC = D / VEC;
+  using Io = PkKvIo<T>;
+  using C = typename Io::Cache;
+  constexpr int VEC = Io::VEC, NVEC = D / VEC;
   constexpr int DPL = (D + 31) / 32;  // output elements per lane and row
   static_assert(BN == 32, "lane j holds key j of the tile");
   extern __shared__ float4 pk_smem4[];
@@ -338,13 +343,17 @@ pk_varlen_simt_kernel(const PkAttnParams p) {
   if (!pk_varlen_locate(p, blockIdx.x, t)) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int block_size = static_cast<int>(p.block_size);
-  const float scale = static_cast<float>(p.scale), soft_cap = static_cast<float>(p.soft_cap);
+  const float2 kv_scale = pk_kv_scales(p, t.kvh);
+  const int kv_fmt = static_cast<int>(p.kv_dtype);
+  const float scale = static_cast<float>(p.scale) * kv_scale.x;
+  const float soft_cap = static_cast<float>(p.soft_cap);
 
   for (int idx = threadIdx.x; idx < PK_VARLEN_SIMT_ROWS * NVEC; idx += PK_VARLEN_THREADS) {
     const int r = idx / NVEC, v = idx % NVEC;
-    const uint4 raw = pk_varlen_q_piece<T, VEC>(p, t, r, v);
+    const int tok = r / t.hc, h = r % t.hc;
     float f[VEC];
-    pk_unpack16<T>(raw, f);
+    Io::load_q(p, (t.tok0 + tok) * p.q_stride_token + (t.head0 + h) * p.q_stride_head + v * VEC,
+               tok < t.ntok && h < t.nh, f);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) qs[r * D + v * VEC + e] = f[e] * scale;
   }
@@ -368,8 +377,8 @@ pk_varlen_simt_kernel(const PkAttnParams p) {
 
   const PkBlockMap bmap(static_cast<const int32_t*>(p.block_tables) + t.seq * p.bt_stride,
                         block_size);
-  const T* kbase = static_cast<const T*>(p.k_cache) + t.kvh * p.k_stride_head;
-  const T* vbase = static_cast<const T*>(p.v_cache) + t.kvh * p.v_stride_head;
+  const C* kbase = static_cast<const C*>(p.k_cache) + t.kvh * p.k_stride_head;
+  const C* vbase = static_cast<const C*>(p.v_cache) + t.kvh * p.v_stride_head;
 
   for (int64_t kv0 = t.kv_lo; kv0 < t.kv_end; kv0 += BN) {
     __syncthreads();
@@ -379,12 +388,12 @@ pk_varlen_simt_kernel(const PkAttnParams p) {
       uint4 kraw = make_uint4(0u, 0u, 0u, 0u), vraw = kraw;
       if (kv < t.kv_end) {
         const int pos = static_cast<int>(kv);
-        kraw = pk_load16(kbase + bmap.offset(pos, p.k_stride_block, p.k_stride_slot) + v * VEC);
-        vraw = pk_load16(vbase + bmap.offset(pos, p.v_stride_block, p.v_stride_slot) + v * VEC);
+        kraw = Io::load_kv(kbase + bmap.offset(pos, p.k_stride_block, p.k_stride_slot) + v * VEC);
+        vraw = Io::load_kv(vbase + bmap.offset(pos, p.v_stride_block, p.v_stride_slot) + v * VEC);
       }
       float kf[VEC], vf[VEC];
-      pk_unpack16<T>(kraw, kf);
-      pk_unpack16<T>(vraw, vf);
+      Io::unpack_kv(kraw, kv_fmt, kf);
+      Io::unpack_kv(vraw, kv_fmt, vf);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         ks[j * KP + v * VEC + e] = kf[e];
@@ -431,12 +440,12 @@ pk_varlen_simt_kernel(const PkAttnParams p) {
     const int r = warp * RPW + i;
     const int64_t tok = t.tok0 + r / t.hc;
     const int head = t.head0 + r % t.hc;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    T* out = static_cast<T*>(p.out) + tok * p.o_stride_token + head * p.o_stride_head;
+    const float inv = l[i] > 0.f ? 1.f / l[i] * kv_scale.y : 0.f;
+    const int64_t out = tok * p.o_stride_token + head * p.o_stride_head;
 #pragma unroll
     for (int c = 0; c < DPL; ++c) {
       const int d = lane + 32 * c;
-      if (d < D) out[d] = pk_from_float<T>(o[i][c] * inv);
+      if (d < D) Io::store_out1(p, out + d, o[i][c] * inv);
     }
     if (lane == 0) pk_write_lse(p, tok, head, m[i], l[i]);
   }

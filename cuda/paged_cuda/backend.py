@@ -56,10 +56,11 @@ class CudaBackend(Backend):
             launch.paged_attention(self._ext, problem, _stream(device), _num_sms(device.index or 0))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         with torch.cuda.device(key_cache.device):
             launch.write_kv(self._ext, key, value, key_cache, value_cache, slot_mapping,
-                         _stream(key_cache.device))
+                            _stream(key_cache.device), k_scale, v_scale)
 
     def copy_blocks(self, key_caches: Sequence[torch.Tensor],
                     value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:

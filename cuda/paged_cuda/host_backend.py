@@ -69,9 +69,11 @@ class CudaHostBackend(Backend):
         launch.paged_attention(self._ext, problem, HOST_STREAM, self._num_sms)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         _require_cpu("key_cache", key_cache)
-        launch.write_kv(self._ext, key, value, key_cache, value_cache, slot_mapping, HOST_STREAM)
+        launch.write_kv(self._ext, key, value, key_cache, value_cache, slot_mapping, HOST_STREAM,
+                        k_scale, v_scale)
 
     def copy_blocks(self, key_caches: Sequence[torch.Tensor],
                     value_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:

@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from cuda.paged_cuda.launch import attention_launches
-from cuda.paged_cuda.params import CSRC_DIR, unpack
+from cuda.paged_cuda.params import CSRC_DIR, CTYPES, DTYPE_CODES, unpack
 
 log = logging.getLogger("paged_kernels.cuda")
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _COPY_UNITS = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t"}
+_CTYPE_OF_CODE = {code: CTYPES[dtype] for dtype, code in DTYPE_CODES.items()}
 _lock = threading.Lock()
 _announced = False
 
@@ -135,7 +136,9 @@ class JitModule:
 
     def write_kv(self, params: bytes, stream: int) -> None:
         v = unpack("write_kv", params)
-        self._run("pk_cache.cuh", f"pk_write_kv_kernel<{_COPY_UNITS[v['unit_bytes']]}>",
+        name = (f"pk_write_kv_quant_kernel<{_CTYPE_OF_CODE[v['dtype']]}>" if v["kv_dtype"]
+                else f"pk_write_kv_kernel<{_COPY_UNITS[v['unit_bytes']]}>")
+        self._run("pk_cache.cuh", name,
                   (v["grid_x"], v["grid_y"], 1), v["threads"], 0, stream, params)
 
     def copy_blocks(self, params: bytes, stream: int) -> None:

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 import torch
 
 from cuda.paged_cuda.params import (CTYPES, DTYPE_CODES, HEAD_SIZES, KERNEL_DECODE,
-                                    KERNEL_DECODE_MMA, KERNEL_VARLEN_MMA, pack)
+                                    KERNEL_DECODE_MMA, KERNEL_VARLEN_MMA, KV8_CTYPE,
+                                    KV_DTYPE_CODES, pack)
 from cuda.paged_cuda.planner import THREADS, AttentionPlan, plan_attention
 from paged_kernels.abi import FEATURES, AttentionProblem, Support, check_block_ids
 
@@ -43,6 +44,7 @@ def support(device_types: Sequence[str], head_sizes: Sequence[int] = HEAD_SIZES)
         device_types=frozenset(device_types),
         features=frozenset(FEATURES),
         head_sizes=frozenset(head_sizes),
+        kv_cache_dtypes=frozenset(KV_DTYPE_CODES),
         reasons=(("head_sizes", ("kernels are instantiated per head size (a multiple of 16 "
                                  "for the tensor-core path); see PK_HEAD_SIZES in "
                                  "cuda/csrc/pk_launch.cuh")),),
@@ -58,15 +60,17 @@ _CTYPE_OF_CODE = {code: CTYPES[dtype] for dtype, code in DTYPE_CODES.items()}
 def attention_launches(v: dict[str, Any]) -> list[tuple[str, tuple[int, int, int], int, int]]:
     """The launches the plan inside unpacked attention params `v` makes, in order: (template
     instantiation, grid, threads, dynamic shared memory). This is what pk_launch.cuh dispatches
-    to; the JIT path launches exactly these."""
-    t, d = _CTYPE_OF_CODE[v["dtype"]], v["head_size"]
+    to; the JIT path launches exactly these. An 8-bit cache's kernels are the `PkKv8`
+    instantiations; their reduce kernel is the query dtype's."""
+    out_t, d = _CTYPE_OF_CODE[v["dtype"]], v["head_size"]
+    t = KV8_CTYPE if v["kv_dtype"] else out_t
     grid = (v["grid_x"], v["grid_y"], v["grid_z"])
     if v["kernel"] in (KERNEL_DECODE, KERNEL_DECODE_MMA):
         name = (f"pk_decode_kernel<{t}, {d}, {v['group_tile']}>" if v["kernel"] == KERNEL_DECODE
                 else f"pk_decode_mma_kernel<{t}, {d}, {v['threads'] // 32}>")
         launches = [(name, grid, v["threads"], v["smem_bytes"])]
         if v["num_splits"] > 1:
-            launches.append((f"pk_decode_reduce_kernel<{t}>",
+            launches.append((f"pk_decode_reduce_kernel<{out_t}>",
                              (v["reduce_grid_x"], v["reduce_grid_y"], 1), v["reduce_threads"], 0))
         return launches
     if v["kernel"] == KERNEL_VARLEN_MMA:
@@ -91,7 +95,7 @@ def attn_values(p: AttentionProblem, plan: AttentionPlan, q: torch.Tensor, k: to
         "block_tables": p.block_tables.data_ptr(), "seq_lens": p.seq_lens.data_ptr(),
         "cu_seqlens_q": ptr(p.cu_seqlens_q), "alibi_slopes": ptr(p.alibi_slopes),
         "out": out.data_ptr(), "lse": ptr(p.lse), "part_out": ptr(part_out), "part_m": ptr(part_m),
-        "part_l": ptr(part_l),
+        "part_l": ptr(part_l), "k_scale": ptr(p.k_scale), "v_scale": ptr(p.v_scale),
         "q_stride_token": qs[0], "q_stride_head": qs[1],
         "k_stride_block": ks[0], "k_stride_head": ks[1], "k_stride_slot": ks[2],
         "v_stride_block": vs[0], "v_stride_head": vs[1], "v_stride_slot": vs[2],
@@ -101,7 +105,8 @@ def attn_values(p: AttentionProblem, plan: AttentionPlan, q: torch.Tensor, k: to
         "group": p.num_queries_per_kv, "heads_per_cta": plan.heads_per_cta,
         "num_head_chunks": plan.num_head_chunks, "num_splits": plan.num_splits,
         "partition_size": plan.partition_size, "sliding_window": p.sliding_window or 0,
-        "dtype": DTYPE_CODES[p.query.dtype], "kernel": plan.kernel, "group_tile": plan.group_tile,
+        "dtype": DTYPE_CODES[p.query.dtype], "kv_dtype": KV_DTYPE_CODES.get(k.dtype, 0),
+        "kernel": plan.kernel, "group_tile": plan.group_tile,
         "q_tile_tokens": plan.q_tile_tokens, "stages": plan.stages, "warp_sync": plan.warp_sync,
         "l2_prefetch": plan.l2_prefetch,
         "grid_x": plan.grid[0], "grid_y": plan.grid[1],
@@ -184,8 +189,11 @@ def _byte_strides(t: torch.Tensor) -> list[int]:
 
 
 def write_kv(ext: Extension, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-             value_cache: torch.Tensor, slot_mapping: torch.Tensor, stream: int) -> None:
-    """Scatters key/value rows to their slots; negative or out-of-range slots are skipped."""
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor, stream: int,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Scatters key/value rows to their slots, quantised with the per-KV-head `k_scale` /
+    `v_scale` (float32 `[num_kv_heads]`) into an 8-bit cache; negative or out-of-range slots are
+    skipped."""
     slots = slot_mapping.contiguous()
     ks, vs = _byte_strides(key), _byte_strides(value)
     kc, vc = _byte_strides(key_cache), _byte_strides(value_cache)
@@ -197,6 +205,10 @@ def write_kv(ext: Extension, key: torch.Tensor, value: torch.Tensor, key_cache: 
     values = {
         "key": key.data_ptr(), "value": value.data_ptr(), "k_cache": key_cache.data_ptr(),
         "v_cache": value_cache.data_ptr(), "slot_mapping": slots.data_ptr(),
+        "k_scale": 0 if k_scale is None else k_scale.data_ptr(),
+        "v_scale": 0 if v_scale is None else v_scale.data_ptr(),
+        "head_size": key.shape[2], "dtype": DTYPE_CODES[key.dtype],
+        "kv_dtype": KV_DTYPE_CODES.get(key_cache.dtype, 0),
         "key_stride_token": ks[0], "key_stride_head": ks[1], "value_stride_token": vs[0],
         "value_stride_head": vs[1], "k_stride_block": kc[0], "k_stride_head": kc[1],
         "k_stride_slot": kc[2], "v_stride_block": vc[0], "v_stride_head": vc[1],

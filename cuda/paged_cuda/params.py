@@ -28,6 +28,11 @@ REDUCED_HEAD_SIZES = (64, 128)
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: C++ spelling of each dtype (template arguments of the JIT path).
 CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+#: Values of the `kv_dtype` fields (PkKvDtype in pk_ops.h) for the 8-bit caches; 0 is a cache of
+#: the query's dtype.
+KV_DTYPE_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
+#: The template argument of the kernels over an 8-bit cache (pk_kv8.cuh).
+KV8_CTYPE = "PkKv8"
 #: Values of the `kernel` field (PkAttnKernel in pk_ops.h).
 KERNEL_DECODE, KERNEL_VARLEN_MMA, KERNEL_VARLEN_SIMT, KERNEL_DECODE_MMA = 0, 1, 2, 3
 

@@ -8,7 +8,8 @@ safe. The plan travels inside the params struct (launch.py packs it); the C++ la
 
 Kernels by batch kind and dtype: decode runs `pk_decode_mma_kernel` for 16-bit types and the
 SIMT `pk_decode_kernel` for float32; varlen runs `pk_varlen_mma_async_kernel` for 16-bit types
-and the SIMT `pk_varlen_simt_kernel` for float32.
+and the SIMT `pk_varlen_simt_kernel` for float32. An 8-bit cache runs the SIMT kernels (their
+`PkKv8` instantiations) whatever the query's dtype.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class AttentionPlan:
 def plan_attention(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     """The launch plan for `p` on a device with `num_sms` multiprocessors (memoised on the
     shapes it depends on: planning runs once per step shape, not once per layer)."""
-    key = (p.is_decode, p.num_queries_per_kv, p.query.dtype, p.head_size, p.num_seqs,
+    key = (p.is_decode, p.num_queries_per_kv, p.query.dtype, p.key_cache.dtype, p.head_size,
+           p.num_seqs,
            p.num_kv_heads, p.num_heads, p.num_tokens, p.block_tables.shape[1], p.block_size,
            p.sliding_window, num_sms,
            *(os.environ.get(name) for name in settings.PLAN_ENVS))
@@ -91,9 +93,14 @@ _plans: dict[tuple, AttentionPlan] = {}
 def _plan(p: AttentionProblem, num_sms: int) -> AttentionPlan:
     if not p.is_decode:
         return _plan_varlen(p)
-    if p.query.dtype != torch.float32:  # tensor cores; float32 runs SIMT
+    if _runs_mma(p):  # tensor cores; float32 and 8-bit caches run SIMT
         return _plan_decode_mma(p, num_sms)
     return _plan_decode_simt(p, num_sms)
+
+
+def _runs_mma(p: AttentionProblem) -> bool:
+    """True for the tensor-core kernels: a 16-bit query over a cache of its own dtype."""
+    return p.query.dtype != torch.float32 and p.key_cache.dtype == p.query.dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +217,7 @@ def _varlen_async_smem(p: AttentionProblem, warps: int) -> int:
 
 def _plan_varlen(p: AttentionProblem) -> AttentionPlan:
     group, d = p.num_queries_per_kv, p.head_size
-    mma = p.query.dtype != torch.float32
+    mma = _runs_mma(p)
     warps = settings.varlen_warps() if mma else THREADS // 32
     rows = 16 * warps if mma else SIMT_ROWS
     hc = min(group, rows)
