@@ -1,6 +1,8 @@
 """Registers the "cpu" backend: the C++/OpenMP kernels of csrc/paged_attention.cpp on CPU tensors.
 
-Every dtype, head size, block size and feature of the ABI; strided caches and `out`.
+Every dtype, head size, block size and feature of the ABI; strided caches and `out`; float caches
+and the 8-bit ones (fp8 e4m3fn, fp8 e5m2, int8 with per-KV-head scales), read and written by the
+C++ kernels (docs/cpu.md).
 `always_check_contents` is False (the Python content checks run on request only), but the kernel
 scans the lengths and the block-table entries it will read before any work (microseconds on the
 CPU, no device to synchronise with) and, when they break the ABI's rules, this backend raises the
@@ -24,11 +26,13 @@ from paged_kernels.abi import (
     check_attention_contents,
 )
 from paged_kernels.backends import GENERIC_BLOCK_OPS, Backend, BackendUnavailable
+from paged_kernels.kv_quant import QUANTIZED_CACHE_DTYPES
 
 SUPPORT = Support(
     dtypes=frozenset(FLOAT_DTYPES),
     device_types=frozenset({"cpu"}),
     features=frozenset(FEATURES),
+    kv_cache_dtypes=frozenset(QUANTIZED_CACHE_DTYPES),
 )
 
 #: Query rows per work item in prefill/varlen (times the GQA group size = rows sharing each K/V
@@ -69,8 +73,7 @@ class CpuBackend(Backend):
             p.out, p.lse, p.alibi_slopes, p.scale,
             0 if p.sliding_window is None else p.sliding_window,
             0.0 if p.soft_cap is None else p.soft_cap,
-            QUERY_TILE, torch.get_num_threads(), read_ahead,
-            getattr(p, "k_scale", None), getattr(p, "v_scale", None))
+            QUERY_TILE, torch.get_num_threads(), read_ahead, p.k_scale, p.v_scale)
         if not done:  # the kernel's content scan failed: raise the ABI's own message
             check_attention_contents(p)
             raise AssertionError("cpu kernel rejected contents that check_attention_contents "

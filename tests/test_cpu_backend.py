@@ -363,3 +363,97 @@ def test_8bit_caches_match_the_oracle(cache_dtype, dtype):
         kc, vc, keys, values = quantized_case(c, cache_dtype, k_scale, v_scale)
         want, _ = attention_oracle(c.query, keys, values, c.q_lens)
         assert rel_err(attend_ext(ext, c, kc, vc, k_scale, v_scale), want) <= TOL[dtype]
+
+
+def fp8_codes(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The contract's fp8 code of each float32 `y` by search, not by conversion: saturate to the
+    largest finite value, then the nearest finite code, a tie going to the even code (mantissa
+    LSB 0, the code's LSB); the sign bit from y's sign (-0.0 included). NaN gives 0xFF."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).double()
+    finite = int((codes[:128].isfinite() & (codes[:128] <= FP8_MAX[dtype])).sum())
+    grid = codes[:finite]  # the non-negative finite values, increasing with the code
+    mag = y.double().abs().clamp(max=FP8_MAX[dtype])
+    hi = torch.searchsorted(grid, mag).clamp(max=finite - 1)
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = mag - grid[lo], grid[hi] - mag
+    pick = torch.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    negative = torch.signbit(y)
+    out = (pick + 128 * negative.long()).to(torch.uint8)
+    return torch.where(torch.isnan(y), torch.tensor(255, dtype=torch.uint8), out)
+
+
+def hard_rows(dtype: torch.dtype, scales: torch.Tensor, head_size: int) -> torch.Tensor:
+    """float32 rows [tokens, num_kv_heads, head_size] whose quotients by `scales` hit the
+    formats' edges: every midpoint between neighbouring codes (ties) and the codes themselves,
+    beyond the largest value, +-inf, NaN, -0.0, subnormals, and random values."""
+    if dtype == torch.int8:
+        special = torch.arange(-130, 131, dtype=torch.float32) * 0.5  # every half-integer tie
+    else:
+        grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+        grid = grid[grid.isfinite()].unique()
+        special = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, grid * 1.0001])
+    special = torch.cat([special, torch.tensor([1e6, -1e6, math.inf, -math.inf, math.nan, -0.0,
+                                                1e-30, -1e-30])])
+    gen = torch.Generator().manual_seed(4)
+    count = -(-special.numel() // head_size) * head_size
+    y = torch.randn(count, generator=gen) * 40
+    y[:special.numel()] = special
+    y = y.view(-1, 1, head_size).repeat(1, scales.numel(), 1)
+    return y * scales.view(1, -1, 1)  # exact: the scales of the first heads are powers of 2
+
+
+@pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", CACHE_8BIT)
+def test_write_kv_stores_the_contracts_codes_bit_for_bit(cache_dtype, rows_dtype):
+    """write_kv into 8-bit caches (the C++ quantisation, through the public API with per-KV-head
+    scales) against fp8 codes found by search (fp8_codes) and torch.round's half-to-even for
+    int8: ties, saturation, infinities, NaN (fp8: NaN, int8: 0), -0.0; other slots untouched."""
+    head_size, block_size, num_blocks = 32, 4, 300
+    scales = torch.tensor([0.5, 4.0, 0.3])  # powers of 2 keep the ties exact; 0.3 rounds x / s
+    rows = hard_rows(cache_dtype, scales, head_size).to(rows_dtype)
+    tokens = rows.shape[0]
+    gen = torch.Generator().manual_seed(5)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    shape = (num_blocks, 3, block_size, head_size)
+    key_cache = torch.full(shape, 0x55, dtype=torch.uint8).view(cache_dtype)
+    value_cache = torch.full(shape, 0x55, dtype=torch.uint8).view(cache_dtype)
+    pk.write_kv(rows, -rows, key_cache, value_cache, slots, k_scale=scales, v_scale=scales * 2,
+                backend="cpu")
+    for cache, x, scale in ((key_cache, rows, scales), (value_cache, -rows, scales * 2)):
+        y = x.float() / scale.view(1, -1, 1)
+        if cache_dtype == torch.int8:
+            want = torch.nan_to_num(torch.round(y), nan=0.0).clamp(-128, 127).to(torch.int8)
+            want = want.view(torch.uint8)
+        else:
+            want = fp8_codes(y, cache_dtype)
+        stored = cache.view(torch.uint8)[slots // block_size, :, slots % block_size]
+        if cache_dtype != torch.int8:  # any NaN code is NaN
+            nan = torch.isnan(y)
+            assert torch.isnan(stored[nan].view(cache_dtype).float()).all()
+            stored, want = stored[~nan], want[~nan]
+        assert torch.equal(stored, want)
+        untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+        untouched[slots] = False
+        flat = cache.view(torch.uint8).permute(0, 2, 1, 3).reshape(-1, 3, head_size)
+        assert (flat[untouched] == 0x55).all()
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_8BIT)
+def test_8bit_caches_through_the_api(cache_dtype):
+    """The public API with the per-tensor scale forms (a float, a one-element tensor), written
+    by write_kv and read by paged_attention on the cpu backend, against the oracle on the
+    test's own quantisation; int8's unused slots: the results do not depend on their contents."""
+    c = build_case([40, 130, 7, 64], None, (6, 2), 64, 16, torch.bfloat16, seed=9)
+    scale = 0.03 if cache_dtype == torch.int8 else 2.0 ** -5
+    per_head = torch.full((2,), scale)
+    results = []
+    for k_form, poison in ((scale, 127), (torch.tensor([scale]), -128)):
+        kc, vc, keys, values = quantized_case(c, cache_dtype, per_head, per_head, poison)
+        out, lse = pk.paged_attention(c.query, kc, vc, c.block_tables, c.seq_lens,
+                                      k_scale=k_form, v_scale=k_form, return_lse=True,
+                                      backend="cpu", check=True)
+        results.append((out, lse))
+    want, want_lse = attention_oracle(c.query, keys, values, c.q_lens)
+    assert rel_err(results[0][0], want) <= TOL[torch.bfloat16]
+    assert rel_err(results[0][1], want_lse) <= TOL[torch.bfloat16]
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
