@@ -106,6 +106,7 @@ def test_queue_full_is_429(server, http):
                 refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
                 err = assert_error(refused, 429)
                 assert "--max-queue" in err["message"]
+                assert refused.headers["retry-after"].isdigit()
     wait_idle(http)  # both disconnected: aborted
     ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert ok.status_code == 200

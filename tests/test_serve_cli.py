@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from engine.serve import build_parser, engine_builder, parse_size, served_names
+from engine.serve import build_parser, check_args, engine_builder, parse_size, served_names
 
 
 def test_every_issue_flag_parses():
@@ -73,3 +73,34 @@ def test_served_names():
     assert served_names(None, None) == ["SmolLM2-135M-Instruct"]
     assert served_names("/x/tiny.gguf", None) == ["tiny", "/x/tiny.gguf"]
     assert served_names("/x/hf_dir/", "mine") == ["mine", "hf_dir", "/x/hf_dir/"]
+
+
+def test_connection_shutdown_and_access_flags_parse(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("k3y\n")
+    args = build_parser().parse_args([
+        "--limit-concurrency", "64", "--timeout-keep-alive", "2", "--timeout-header-read", "3",
+        "--timeout-body-read", "4.5", "--shutdown-timeout", "0", "--api-key-file", str(key_file),
+        "--allowed-hosts", "api.example.com,localhost", "--allowed-origins", '["http://a.b"]',
+        "--allowed-methods", "GET,POST", "--allow-credentials"])
+    _, conn, who = check_args(args)
+    assert (conn.limit_concurrency, conn.timeout_keep_alive, conn.timeout_header_read,
+            conn.timeout_body_read) == (64, 2.0, 3.0, 4.5)
+    assert args.shutdown_timeout == 0.0 and who.api_key == "k3y"
+    assert who.allowed_hosts == {"api.example.com", "localhost"}
+    assert who.cors.allowed_origins == ["http://a.b"] and who.cors.allowed_methods == [
+        "GET", "POST"] and who.cors.allowed_headers == ["*"] and who.cors.allow_credentials
+
+
+@pytest.mark.parametrize("argv, flag", [(["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+                                        (["--limit-concurrency", "0"], "--limit-concurrency"),
+                                        (["--timeout-header-read", "0"], "--timeout-header-read"),
+                                        (["--api-key", ""], "--api-key"),
+                                        (["--allowed-headers", "x"], "--allowed-headers")])
+def test_bad_connection_shutdown_and_access_values_exit_naming_the_flag(argv, flag, capsys,
+                                                                       monkeypatch):
+    for name in ("ENGINE_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit):
+        check_args(build_parser().parse_args(argv))
+    assert f"error: {flag}:" in capsys.readouterr().err
