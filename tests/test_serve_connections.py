@@ -6,8 +6,8 @@ answers at once (the API with 503 "failed to load", `/openapi.json` with 200) an
 Timeouts are 1 s: a connection that sends nothing, a request head that never completes (sent
 whole but for its last line, or dripped a byte at a time, which an idle timeout would never
 end), a body that stops short, and an idle keep-alive connection are all closed within about a
-second, a partial request with a 408 in OpenAI's shape. `--limit-concurrency` answers OpenAI's
-503 with `Retry-After`.
+second, a partial request with a 408 in OpenAI's shape (an oversized one with its 413).
+`--limit-concurrency` answers OpenAI's 503 with `Retry-After`.
 """
 
 from __future__ import annotations
@@ -98,6 +98,17 @@ def test_a_body_that_stops_short_gets_408_and_is_closed(server):
     status, headers, body = _status_and_json(data)
     assert status == 408 and headers["connection"] == "close"
     assert body["error"]["code"] == 408 and "--timeout-body-read" in body["error"]["message"]
+
+
+def test_an_oversized_body_that_never_comes_gets_413_and_is_closed(server):
+    with _connect(server) as sock:
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: "
+                     + str(1 << 30).encode() + b"\r\n\r\n{")
+        elapsed, data = _read_until_closed(sock)
+    assert elapsed < 3 * TIMEOUT_S
+    status, headers, body = _status_and_json(data)
+    assert status == 413 and headers["connection"] == "close"
+    assert "--max-request-bytes" in body["error"]["message"]
 
 
 def test_an_idle_keep_alive_connection_is_closed(server):

@@ -215,7 +215,8 @@ class AsyncEngine:
         if not self._ready.is_set():
             raise APIError(503, "the server is starting (loading the model); retry shortly")
         if self._thread is not None and not self._thread.is_alive():
-            raise APIError(503, "the engine loop has stopped; see the server log")
+            raise APIError(503, "the engine loop has stopped and is being restarted; see the "
+                           "server log")
 
     async def add(self, request_id: str, prompt_token_ids: list[int],
                   params: Any) -> AsyncIterator[RequestDelta]:

@@ -57,7 +57,8 @@ class GuardMiddleware:
     """400 for a `Host` not in `allowed_hosts` (None: any), 503 while `drain` is draining, 401
     without `Authorization: Bearer <api_key>` (when a key is set), 413 for a body over
     `max_body_bytes`, 408 for a body not all read within `body_timeout` seconds (None: no
-    limit); other requests pass through with their body replayed, counted by `drain`."""
+    limit); other requests pass through with their body replayed. `drain` counts every request
+    that passed the first three checks until its response ends."""
 
     def __init__(self, app: ASGIApp, api_key: Optional[str], max_body_bytes: int,
                  allowed_hosts: Optional[frozenset[str]] = None, drain: Optional[Drain] = None,
@@ -77,25 +78,28 @@ class GuardMiddleware:
         if refusal is not None:
             await send_error(send, *refusal)
             return
+        with self.drain.track() if self.drain is not None else contextlib.nullcontext():
+            await self._pass(scope, receive, send)
+
+    async def _pass(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The body checks, then the app with the body replayed."""
+        deadline = None if self.body_timeout is None else time.monotonic() + self.body_timeout
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._drain(receive)
-            await self._too_large(send, int(declared))
+            await self._too_large(send, int(declared), await self._drain(receive, deadline))
             return
         try:
-            body, size, more = await self._read_body(receive)
+            body, size, more = await self._read_body(receive, deadline)
         except asyncio.TimeoutError:
             await send_error(send, 408, f"request body not received within "
                              f"{self.body_timeout:g} s (--timeout-body-read)",
                              [(b"connection", b"close")])
             return
         if body is None:
-            if more:
-                await self._drain(receive)
-            await self._too_large(send, size)
+            drained = await self._drain(receive, deadline) if more else True
+            await self._too_large(send, size, drained)
             return
-        with self.drain.track() if self.drain is not None else contextlib.nullcontext():
-            await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, _replay(body, receive), send)
 
     def _refusal(self, scope: Scope) -> Optional[tuple[Any, ...]]:
         """(status, message, headers) of the error that refuses the request, or None."""
@@ -121,16 +125,14 @@ class GuardMiddleware:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
                                                                   self.api_key.encode())
 
-    async def _read_body(self, receive: Receive) -> tuple[Optional[bytes], int, bool]:
+    async def _read_body(self, receive: Receive, deadline: Optional[float]
+                         ) -> tuple[Optional[bytes], int, bool]:
         """(body, bytes read, more): body is None when it exceeds the limit, and `more` says
-        whether part of it is still unread."""
+        whether part of it is still unread. asyncio.TimeoutError once `deadline` (monotonic
+        time; None: none) passes."""
         chunks, size = [], 0
-        deadline = None if self.body_timeout is None else time.monotonic() + self.body_timeout
         while True:
-            if deadline is None:
-                message = await receive()
-            else:
-                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            message = await _receive_by(receive, deadline)
             if message["type"] != "http.request":
                 return b"".join(chunks), size, False
             chunk = message.get("body", b"")
@@ -143,19 +145,34 @@ class GuardMiddleware:
                 return b"".join(chunks), size, False
 
     @staticmethod
-    async def _drain(receive: Receive) -> None:
+    async def _drain(receive: Receive, deadline: Optional[float]) -> bool:
+        """Reads and drops the rest of a body (up to _DRAIN_LIMIT bytes, until `deadline`);
+        whether it was all read."""
         size = 0
-        while size < _DRAIN_LIMIT:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            size += len(message.get("body", b""))
-            if not message.get("more_body", False):
-                return
+        try:
+            while size < _DRAIN_LIMIT:
+                message = await _receive_by(receive, deadline)
+                if message["type"] != "http.request":
+                    return False
+                size += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return True
+        except asyncio.TimeoutError:
+            pass
+        return False
 
-    async def _too_large(self, send: Send, size: int) -> None:
+    async def _too_large(self, send: Send, size: int, drained: bool) -> None:
+        """The 413; the connection is closed unless the whole body was read."""
         await send_error(send, 413, f"request body too large: at most {self.max_body_bytes} "
-                          f"bytes are accepted (--max-request-bytes), got {size}")
+                         f"bytes are accepted (--max-request-bytes), got {size}",
+                         None if drained else [(b"connection", b"close")])
+
+
+async def _receive_by(receive: Receive, deadline: Optional[float]) -> Message:
+    """`receive()`, or asyncio.TimeoutError once `deadline` (monotonic time) has passed."""
+    if deadline is None:
+        return await receive()
+    return await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -4,8 +4,8 @@ FastAPI's generated schema documents a 422 with its own validation-error body fo
 that takes a body; this server answers bad requests with 400 and OpenAI's error shape
 (errors.py), as OpenAI and vLLM do, and sends `/metrics` as Prometheus text. So the schema is
 rewritten once: every 422 becomes a 400 with the error body, every operation documents that body
-for its other errors (401 with an API key, 404, 405, 413, 429, 500, 503), and `/metrics` is
-`text/plain`.
+for its other errors (401 with an API key, 400 for a Host not allowed, 404, 405, 408, 413, 429,
+500, 503), and `/metrics` is `text/plain`.
 """
 
 from __future__ import annotations
