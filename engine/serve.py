@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     connections.add_arguments(p)
     shutdown.add_arguments(p)
     p.add_argument("--enable-debug-endpoints", action="store_true",
-                   help="serve /debug/check_integrity (engine internals; for tests and soaks, "
-                        "never in production)")
+                   help="serve /debug/check_integrity and /debug/faults (engine internals "
+                        "and fault injection; for tests and soaks, never in production)")
     p.add_argument("--num-threads", type=_positive, default=None,
                    help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="info",
