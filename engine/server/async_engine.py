@@ -228,7 +228,7 @@ class AsyncEngine:
         `abort(request_id)`."""
         self.check_ready()
         if self._closed is not None:
-            raise self._closed
+            raise _copy(self._closed)
         if self.max_queue is not None and self._num_waiting + self._num_pending >= self.max_queue:
             raise APIError(429, f"the server is busy: {self.max_queue} requests are already "
                            "waiting (--max-queue); retry later")
@@ -457,7 +457,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: APIError) -> list[tuple[str, RequestDelta]]:
         """Aborts every request in the engine; a delta carrying `error` for each tracked one."""
-        failed = [(request_id, RequestDelta(error=error)) for request_id in self._trackers]
+        failed = [(request_id, RequestDelta(error=_copy(error))) for request_id in self._trackers]
         for _ in failed:
             self.metrics.observe_finished("abort")
         self._abort_everything()
@@ -472,6 +472,12 @@ class AsyncEngine:
                 self.engine.abort_request(group.request_id)
             except Exception:  # logged; the next requests may still be served
                 logger.exception("abort of %s failed", group.request_id)
+
+
+def _copy(error: APIError) -> APIError:
+    """A fresh exception per request: one instance raised in many tasks would share its
+    traceback."""
+    return APIError(error.status, error.message, error.param, error.headers)
 
 
 def _stat(stats: Any, key: str, default: Any) -> Any:
