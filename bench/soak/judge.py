@@ -155,7 +155,7 @@ def _checks(record: dict[str, Any], failures: list[dict[str, Any]],
               f"{len(unsurvived)} fault(s) with no complete answer after them"
               if unsurvived else "a complete answer after each"),
         check("KV pool preempted under the load", preempted > 0,
-              f"{preempted} preemptions"),
+              f"preemptions: {preempted}"),
         check("integrity during the run", not bad_checks,
               f"{len(record['integrity'])} checks, {len(bad_checks)} failed"
               + (f": {bad_checks[0]['error']}" if bad_checks else "")),
@@ -170,6 +170,6 @@ def _checks(record: dict[str, Any], failures: list[dict[str, Any]],
         check("still serving: /health 200", final["health"] == 200, f"{final['health']}"),
         check("still serving: a greedy request equals the clean run's",
               final_result.get("final_outcome") == "ok",
-              f"{final_result.get('final_outcome')} {final_result['result']['detail']}"),
+              f"{final_result.get('final_outcome')} {final_result['result']['detail']}".strip()),
         check("server process alive", final["alive"], "alive" if final["alive"] else "exited"),
     ]

@@ -11,7 +11,18 @@ import platform
 import subprocess
 from typing import Any
 
+from bench.soak.judge import RECOVERY_WINDOW_S
 from bench.soak.server import REPO
+
+
+_LEGEND = (
+    "Outcomes: `ok`, a complete answer; `fault_error`, a clear error (OpenAI's shape) for a "
+    "request in flight when a fault fired or begun up to "
+    f"{RECOVERY_WINDOW_S:g} s after it; `refused`, a bad request answered with its 4xx naming "
+    "the field; `disconnected`, a client that left on purpose. Any other outcome is a failure: "
+    "`timeout`, `truncated`, `malformed`, `transport`, `wrong_status`, `mismatch` (a greedy "
+    "answer unlike the clean run's), `stop_leaked`, `victim_unharmed`, `unexplained_error`. A "
+    "fault's victim is the request on whose path it was armed.")
 
 
 def machine() -> dict[str, Any]:
@@ -49,7 +60,7 @@ def render(summary: dict[str, Any]) -> str:
              f"`{summary['command']}`", "",
              f"{summary['date']}; commit {m['commit']}{' (dirty tree)' if m['dirty'] else ''}; "
              f"{m['cpu_count']} cores, {m['processor'] or m['platform']}, Python {m['python']}.",
-             ""]
+             "", _LEGEND, ""]
     for server in summary["servers"]:
         lines += _render_server(server)
     return "\n".join(lines) + "\n"
