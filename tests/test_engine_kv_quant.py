@@ -52,7 +52,7 @@ def poison(name: str) -> float:
     return -128.0 if name == "int8" else float("nan")
 
 
-BACKEND = "reference"
+BACKEND = "auto"
 
 
 def make_llm(loaded, name: str, **kw) -> LLM:
@@ -202,7 +202,8 @@ def test_first_step_calibrates_each_layer_and_head_and_stores_codes(loaded, prom
             codes = _gather(cache.device_caches[layer][which], tables, lens)
             got = codes.float() * scale[None, :, None]
             bound = torch.maximum(relative * x.abs(), absolute * scale[None, :, None])
-            assert ((got - x).abs() <= bound * (1 + 1e-6)).all(), (layer, which)
+            slack = 1e-6 * x.abs()  # float32 rounding of `got` itself
+            assert ((got - x).abs() <= bound + slack).all(), (layer, which)
     before = [s.k_scale.clone() for s in cache.scales]
     while llm.llm_engine.has_unfinished_requests():
         llm.llm_engine.step()  # decode steps: the scales stay fixed
