@@ -205,6 +205,8 @@ def test_base_exception_kills_the_thread_and_the_supervisor_restarts_it(monkeypa
         engine.check_ready()
         await _in_engine(engine, lambda e: e.check_integrity())
         assert not fake.groups and not fake.held  # the new thread aborted what was left
+        assert b"engine:engine_loop_restarts_total" in engine.metrics.render()
+        assert engine.metrics.engine_loop_restarts._value.get() == 1
         assert await _complete(engine, "after") == 3
         engine.shutdown()
 
@@ -310,5 +312,8 @@ def test_real_server_survives_a_fault_in_the_step(faulty_server, kind):
                                    extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 3
     log = faulty_server.log_text()
-    if kind == "base":
-        assert "engine loop restarted" in log
+    if kind == "base":  # two faults, two restarts
+        assert log.count("engine loop restarted") == 2
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'engine:engine_loop_restarts_total{model_name="SmolLM2-135M-Instruct"} 2.0' in \
+            metrics

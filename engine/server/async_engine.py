@@ -205,6 +205,7 @@ class AsyncEngine:
                                               "see the server log"))
         self._calls.clear()
         self._num_pending = 0
+        self.metrics.engine_loop_restarts.inc()
         self._thread = self._spawn(self._recover)
 
     # ------------------------------------------------------------- client side

@@ -72,6 +72,8 @@ class ServerMetrics:
                                              _ITL_BUCKETS)
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
                                              "Arrival to the last token.", _E2E_BUCKETS)
+        self.engine_loop_restarts = counter("engine:engine_loop_restarts",
+                                            "Restarts of the engine loop after its thread died.")
         self._engine_counts = {key: 0 for key in _ENGINE_COUNTERS}
 
     def update_from_stats(self, stats: Any) -> None:
