@@ -132,7 +132,9 @@ def test_requests_that_finish_within_the_timeout_complete(drained):
 
 def test_requests_still_running_at_the_timeout_end_with_openai_errors(drained):
     log = drained["log"]
-    assert "SIGTERM: draining (new requests get 503; 5 in flight" in log, re.findall(r".*in flight.*", log)
+    # 5, or 6 while the last /internal/stats poll's handler returns after its client has read it
+    match = re.search(r"SIGTERM: draining \(new requests get 503; (\d+) in flight", log)
+    assert match and int(match.group(1)) >= 5, re.findall(r".*in flight.*", log)
     assert "shutdown: ending 3 requests still in flight" in log
     stream = drained["seen"]["long_stream"]
     assert isinstance(stream.get("error"), openai.APIError), stream  # the SSE error event
