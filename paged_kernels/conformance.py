@@ -5,10 +5,11 @@ tools/support_matrix.py, which counts what each backend's declared `Support` run
 (docs/support-matrix.md).
 
 A `Config` is one point of dtype x head size x block size x GQA ratio x batch composition x
-features. `fast_matrix()` varies one axis at a time around a core point (the CI selection);
-`exhaustive_matrix()` crosses every axis (behind `pytest --exhaustive`). Batch compositions are
-expressed relative to the block size, so edge lengths (1, block_size, block_size + 1, many blocks)
-land on block boundaries whatever the block size.
+features x KV cache dtype (with, for an 8-bit cache, the scale form). `fast_matrix()` varies one
+axis at a time around a core point (the CI selection); `exhaustive_matrix()` crosses every axis
+(behind `pytest --exhaustive`). Batch compositions are expressed relative to the block size, so
+edge lengths (1, block_size, block_size + 1, many blocks) land on block boundaries whatever the
+block size.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ FEATURE_SETS: tuple[tuple[str, ...], ...] = (
     ("shared_prefix",), ("sliding_window", "soft_cap", "alibi", "lse", "strided"),
 )
 BATCHES = ("decode", "prefill", "chunked", "mixed")
+#: 8-bit cache dtypes (paged_kernels.kv_quant); None in a Config is a cache of the query's dtype.
+KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+#: How an 8-bit cache's scales are given: one float per tensor, or a tensor per KV head.
+SCALE_FORMS = ("per_tensor", "per_head")
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,17 @@ class Config:
     heads: tuple[int, int] = (8, 2)
     batch: str = "mixed"
     features: tuple[str, ...] = field(default=())
+    kv_cache_dtype: Optional[torch.dtype] = None
+    scale_form: str = "per_head"
 
     @property
     def id(self) -> str:
         feats = "+".join(self.features) or "plain"
-        return (f"{str(self.dtype).replace('torch.', '')}-d{self.head_size}-b{self.block_size}-"
+        name = (f"{str(self.dtype).replace('torch.', '')}-d{self.head_size}-b{self.block_size}-"
                 f"h{self.heads[0]}kv{self.heads[1]}-{self.batch}-{feats}")
+        if self.kv_cache_dtype is not None:
+            name += f"-kv_{str(self.kv_cache_dtype).replace('torch.', '')}-{self.scale_form}"
+        return name
 
     def api_features(self) -> frozenset[str]:
         """The ABI feature names (paged_kernels.abi.FEATURES) this config exercises."""
@@ -88,16 +98,32 @@ def fast_matrix() -> list[Config]:
     configs += [replace(core, dtype=torch.bfloat16, batch=b, features=FEATURE_SETS[-1])
                 for b in ("decode", "mixed")]
     configs += [HEADLINE_DECODE]
+    # the 8-bit cache axis: each dtype with each scale form (a decode and a mixed batch), one
+    # float32-query point, and every feature at once (strided caches included)
+    configs += [replace(core, kv_cache_dtype=kv, scale_form=form, batch=batch)
+                for kv in KV_CACHE_DTYPES
+                for form, batch in zip(SCALE_FORMS, ("decode", "mixed"))]
+    configs += [replace(core, dtype=torch.float32, batch="chunked", kv_cache_dtype=torch.int8),
+                replace(core, dtype=torch.bfloat16, batch="mixed", features=FEATURE_SETS[-1],
+                        kv_cache_dtype=torch.float8_e4m3fn)]
     return configs
 
 
 def exhaustive_matrix() -> Iterator[Config]:
-    """Every axis crossed with every other."""
+    """Every axis crossed with every other; the 8-bit cache dtypes (per-head scales) with no
+    feature and with every feature at once."""
     for d, h, b, hl, bt, f in itertools.product(DTYPES, HEAD_SIZES, BLOCK_SIZES, HEAD_LAYOUTS,
                                                 BATCHES, FEATURE_SETS):
         yield Config(d, h, b, hl, bt, f)
+    for d, h, b, hl, bt, f, kv in itertools.product(DTYPES, HEAD_SIZES, BLOCK_SIZES,
+                                                    HEAD_LAYOUTS, BATCHES,
+                                                    (FEATURE_SETS[0], FEATURE_SETS[-1]),
+                                                    KV_CACHE_DTYPES):
+        yield Config(d, h, b, hl, bt, f, kv)
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """Relative (norm) error allowed against the float64 oracle (docs/abi.md)."""
+    """Relative (norm) error allowed against the float64 oracle (docs/abi.md), by query dtype.
+    The same for an 8-bit cache: the oracle reads the dequantised cache, exact inputs, so only
+    the computation's rounding remains."""
     return 1e-5 if dtype == torch.float32 else 1e-2

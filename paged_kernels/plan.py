@@ -40,6 +40,10 @@ from paged_kernels.abi import (
     strided_features,
 )
 from paged_kernels.backends import Backend, call_write_kv, resolve_backend
+from paged_kernels.kv_quant import is_quantized
+
+#: A scale argument: a float, or a float32 tensor `[1]` or `[num_kv_heads]`.
+ScaleArg = Union[float, torch.Tensor, None]
 
 __all__ = ["AttentionPlan", "plan"]
 
@@ -54,7 +58,8 @@ class AttentionPlan:
 
     __slots__ = ("backend", "num_tokens", "layer", "block_tables", "seq_lens", "cu_seqlens_q",
                  "slot_mapping", "scale", "sliding_window", "soft_cap", "alibi_slopes",
-                 "return_lse", "features", "k_scale", "v_scale", "_strided_ok")
+                 "return_lse", "features", "k_scale", "v_scale", "_strided_ok",
+                 "_check_contents")
 
     def __init__(self, backend: Backend, layer: PlannedLayer, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
@@ -62,7 +67,7 @@ class AttentionPlan:
                  sliding_window: Optional[int], soft_cap: Optional[float],
                  alibi_slopes: Optional[torch.Tensor], return_lse: bool,
                  features: frozenset[str], k_scale: Optional[torch.Tensor] = None,
-                 v_scale: Optional[torch.Tensor] = None) -> None:
+                 v_scale: Optional[torch.Tensor] = None, check_contents: bool = False) -> None:
         self.backend = backend
         self.num_tokens = layer.query_shape[0]
         self.layer = layer
@@ -79,12 +84,17 @@ class AttentionPlan:
         self.k_scale = k_scale
         self.v_scale = v_scale
         self._strided_ok = "strided" in backend.support.features
+        self._check_contents = check_contents
 
     # ------------------------------------------------------------------ per layer
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            out: Optional[torch.Tensor] = None
+            out: Optional[torch.Tensor] = None, *, k_scale: ScaleArg = None,
+            v_scale: ScaleArg = None,
             ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """`paged_attention(query, key_cache, value_cache, <the plan's metadata>, out=out)`.
+
+        An 8-bit cache's scales are this layer's `k_scale`/`v_scale` when given (both), else the
+        plan's (`_scales`).
 
         `query` must be `[num_tokens, num_heads, head_size]` in the plan's dtype and device with
         a contiguous last dimension; the caches `[num_blocks, num_kv_heads, block_size,
@@ -94,6 +104,7 @@ class AttentionPlan:
         argument), else TypeError/ValueError for tensors that differ from the plan, and
         NotImplementedError for strided caches on a backend that does not support them."""
         out = self.layer.check_run(query, key_cache, value_cache, out)
+        k_scale, v_scale = self._scales(k_scale, v_scale)
         features = self._features(key_cache, value_cache)
         lse = None
         if self.return_lse:
@@ -103,14 +114,16 @@ class AttentionPlan:
             self.backend.paged_attention(AttentionProblem(
                 query, key_cache, value_cache, self.block_tables, self.seq_lens,
                 self.cu_seqlens_q, out, lse, self.scale, self.sliding_window, self.soft_cap,
-                self.alibi_slopes, features, self.k_scale, self.v_scale))
+                self.alibi_slopes, features, k_scale, v_scale))
         if lse is not None:
             return out, lse
         return out
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor) -> None:
-        """`write_kv(key, value, key_cache, value_cache, <the plan's slot_mapping>)`.
+                 value_cache: torch.Tensor, *, k_scale: ScaleArg = None,
+                 v_scale: ScaleArg = None) -> None:
+        """`write_kv(key, value, key_cache, value_cache, <the plan's slot_mapping>)`, with this
+        layer's scales when given, else the plan's (`_scales`).
 
         `key`/`value` must be `[num_tokens, num_kv_heads, head_size]` in the plan's dtype and
         device (any strides with a contiguous last dimension). Raises what `write_kv` raises for
@@ -118,10 +131,26 @@ class AttentionPlan:
         was made without `slot_mapping`."""
         slot_mapping = require_planned_slots(self.slot_mapping)
         self.layer.check_write(key, value, key_cache, value_cache)
+        k_scale, v_scale = self._scales(k_scale, v_scale)
         self._features(key_cache, value_cache)
         if self.num_tokens:
             call_write_kv(self.backend, key, value, key_cache, value_cache, slot_mapping,
-                          self.k_scale, self.v_scale)
+                          k_scale, v_scale)
+
+    def _scales(self, k_scale: ScaleArg, v_scale: ScaleArg
+                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """One layer's scales: the plan's when the layer gives none, else the layer's own (both
+        at once), through the one-shot calls' `check_kv_scales` (a float32 `[num_kv_heads]`
+        tensor passes unchanged, with no copy). An 8-bit cache with no scale from the plan or
+        the layer raises what the one-shot call raises."""
+        layer = self.layer
+        if k_scale is None and v_scale is None and (
+                self.k_scale is not None or not is_quantized(layer.storage_dtype)):
+            return self.k_scale, self.v_scale
+        ks, vs = check_kv_scales(k_scale, v_scale, layer.storage_dtype, layer.kv_shape[1],
+                                 layer.device)
+        check_scales_now(ks, vs, self._check_contents)
+        return ks, vs
 
     def _features(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> frozenset[str]:
         """The plan's features for one layer's caches; NotImplementedError for strided caches
@@ -169,9 +198,10 @@ def plan(
     `slot_mapping`'s length, else to `cu_seqlens_q[-1]` (which reads the tensor: pass
     `num_tokens` to avoid a device synchronisation). `slot_mapping` (int64 `[num_tokens]`) is
     needed only by `AttentionPlan.write_kv`. `kv_cache_dtype` is the caches' dtype (None:
-    `dtype`); an 8-bit one needs `k_scale`/`v_scale` (as for `paged_attention`), normalised
-    here once to float32 `[num_kv_heads]` tensors that every layer's call reads: a tensor given
-    as `[num_kv_heads]` is used as is, so updating it in place (CUDA graphs) is seen by the plan.
+    `dtype`); an 8-bit one takes `k_scale`/`v_scale` (as `paged_attention` does) here, as the
+    default of every layer, or per layer in `run`/`write_kv` (a model's scales are per layer).
+    They are normalised once to float32 `[num_kv_heads]` tensors; a tensor given as
+    `[num_kv_heads]` is used as is, so updating it in place (CUDA graphs) is seen by the plan.
 
     Raises what `paged_attention` raises for the same metadata: TypeError/ValueError naming the
     argument, NotImplementedError when the backend does not support the request, RuntimeError
@@ -185,7 +215,9 @@ def plan(
     tokens, slots = check_plan_tokens(num_tokens, bt.shape[0], cu, slot_mapping, device)
     resolved_scale = check_scalars(head_size, scale, sliding_window, soft_cap)
     slopes = check_alibi_slopes(alibi_slopes, num_heads, device)
-    ks, vs = check_kv_scales(k_scale, v_scale, cache_dtype, num_kv_heads, device)
+    ks = vs = None  # an 8-bit cache's scales may come with each layer instead
+    if k_scale is not None or v_scale is not None or not is_quantized(cache_dtype):
+        ks, vs = check_kv_scales(k_scale, v_scale, cache_dtype, num_kv_heads, device)
     features = requested_features(cu, sliding_window, soft_cap, slopes, return_lse)
     impl = resolve_backend(backend, device)
     impl.support.check_config(impl.name, dtype, head_size, block_size, features, device.type,
@@ -201,4 +233,4 @@ def plan(
                          torch.Size((num_blocks, num_kv_heads, block_size, head_size)), cu is None,
                          None if cache_dtype == dtype else cache_dtype)
     return AttentionPlan(impl, layer, bt, sl, cu, slots, resolved_scale, sliding_window,
-                         soft_cap, slopes, bool(return_lse), features, ks, vs)
+                         soft_cap, slopes, bool(return_lse), features, ks, vs, contents)

@@ -6,7 +6,10 @@ the same values scattered into a paged cache through a random, shuffled block ta
 - block-table entries past `ceil(seq_len / block_size)` hold out-of-range ids or -1, or (with
   `table_pad="nan_block"`) the id of a block nobody owns, so a read of one shows as NaN;
 - with `share_prefix`, the second half of the sequences reuse the first sequence's full prefix
-  blocks (same block ids, same values), as prefix caching and copy-on-write do.
+  blocks (same block ids, same values), as prefix caching and copy-on-write do;
+- with an 8-bit `kv_cache_dtype`, the cache holds the bytes of the test's own quantisation
+  (tests/oracle.py) with per-head scales, the truth is their float64 dequantisation, and slots
+  nobody owns hold a poison byte (NaN for fp8; int8 has no NaN: 127 by default).
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+
+from oracle import dequantize_oracle, quantize_oracle
+
+EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+#: The default poison byte of an 8-bit cache: NaN in both fp8 formats, the largest int8.
+POISON_BYTE = 0x7F
 
 
 @dataclass
@@ -30,11 +39,21 @@ class PagedCase:
     keys: list[torch.Tensor]       # per sequence, float64 [seq_len, num_kv_heads, head_size]
     values: list[torch.Tensor]
     q_lens: list[int]
+    k_scale: Optional[list[float]] = None  # per KV head, for an 8-bit cache
+    v_scale: Optional[list[float]] = None
 
 
 def _round_trip(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Values representable in `dtype`, so the truth and the kernel see the same numbers."""
     return x.to(dtype).to(torch.float64)
+
+
+def _truth(cell: torch.Tensor, scale: Optional[Sequence[float]],
+           quant: Optional[torch.dtype]) -> torch.Tensor:
+    """The float64 values the stored rows `cell` stand for (dequantised when 8-bit)."""
+    if quant is None:
+        return cell.to(torch.float64)
+    return dequantize_oracle(cell, scale, quant)  # type: ignore[arg-type]
 
 
 def _shared_blocks(seq_lens: Sequence[int], block_size: int, share_prefix: bool) -> int:
@@ -64,8 +83,9 @@ def _assign_blocks(gen: torch.Generator, seq_lens: Sequence[int], block_size: in
 
 def nan_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_size: int,
               dtype: torch.dtype, *, nhd: bool = False, row_pad: tuple[int, int] = (0, 0),
-              device: str = "cpu") -> torch.Tensor:
-    """A NaN-filled cache viewed as the ABI's `[num_blocks, num_kv_heads, block_size, head_size]`.
+              device: str = "cpu", poison_byte: int = POISON_BYTE) -> torch.Tensor:
+    """A NaN-filled cache viewed as the ABI's `[num_blocks, num_kv_heads, block_size, head_size]`
+    (an 8-bit `dtype`: filled with `poison_byte`).
 
     `nhd=True` stores `[num_blocks, block_size, num_kv_heads, head_size]` and returns the permuted
     view; `row_pad=(before, after)` stores each head_size row inside a wider one, so the last dim
@@ -73,7 +93,10 @@ def nan_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_size: in
     width = row_pad[0] + head_size + row_pad[1]
     shape = (num_blocks, block_size, num_kv_heads, width) if nhd else \
         (num_blocks, num_kv_heads, block_size, width)
-    cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    if dtype in EIGHT_BIT:
+        cache = torch.full(shape, poison_byte, dtype=torch.uint8, device=device).view(dtype)
+    else:
+        cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     cache = cache[..., row_pad[0]:row_pad[0] + head_size]
     return cache.permute(0, 2, 1, 3) if nhd else cache
 
@@ -100,12 +123,16 @@ def make_case(
     num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
     seed: int = 0, share_prefix: bool = False, nhd: bool = False,
     row_pad: tuple[int, int] = (0, 0), spare_blocks: int = 3, extra_table: int = 2,
-    table_pad: str = "garbage", device: str = "cpu",
+    table_pad: str = "garbage", device: str = "cpu", kv_cache_dtype: Optional[torch.dtype] = None,
+    k_scale: Optional[Sequence[float]] = None, v_scale: Optional[Sequence[float]] = None,
+    poison_byte: int = POISON_BYTE,
 ) -> PagedCase:
     """A random case. `q_lens=None` means decode (one query per sequence, no cu_seqlens_q).
     `nhd` and `row_pad` choose the cache layout (see `nan_cache`). The block table has
     `extra_table` entries past the longest sequence's blocks; `table_pad` fills every unused entry
-    with "garbage" (out-of-range ids and -1) or "nan_block" (a spare, never-written block)."""
+    with "garbage" (out-of-range ids and -1) or "nan_block" (a spare, never-written block).
+    An 8-bit `kv_cache_dtype` needs `k_scale`/`v_scale` (one float per KV head); the slots nobody
+    owns then hold `poison_byte`."""
     if table_pad not in ("garbage", "nan_block"):
         raise ValueError(f"table_pad must be 'garbage' or 'nan_block', got {table_pad!r}")
     if table_pad == "nan_block" and spare_blocks < 1:
@@ -113,20 +140,32 @@ def make_case(
     gen = torch.Generator().manual_seed(seed)
     shared = _shared_blocks(seq_lens, block_size, share_prefix)
     tables, num_blocks = _assign_blocks(gen, seq_lens, block_size, shared, spare_blocks)
-    views = [nan_cache(num_blocks, num_kv_heads, block_size, head_size, dtype, nhd=nhd,
-                       row_pad=row_pad, device=device) for _ in range(2)]
+    quant = kv_cache_dtype if kv_cache_dtype in EIGHT_BIT else None
+    if quant is not None and (k_scale is None or v_scale is None):
+        raise ValueError(f"kv_cache_dtype={quant} needs k_scale and v_scale (per KV head)")
+    views = [nan_cache(num_blocks, num_kv_heads, block_size, head_size, quant or dtype, nhd=nhd,
+                       row_pad=row_pad, device=device, poison_byte=poison_byte)
+             for _ in range(2)]
+    stored = [v.view(torch.uint8) if quant else v for v in views]
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
+    first: list[torch.Tensor] = []  # sequence 0's stored rows, which sharing sequences reuse
     for s, n in enumerate(seq_lens):
-        kv = [_round_trip(torch.randn(n, num_kv_heads, head_size, generator=gen,
-                                      dtype=torch.float64), dtype) for _ in range(2)]
+        raw = [torch.randn(n, num_kv_heads, head_size, generator=gen, dtype=torch.float64)
+               for _ in range(2)]
+        if quant is None:
+            cells = [_round_trip(x, dtype).to(dtype) for x in raw]
+        else:
+            cells = [quantize_oracle(x, sc, quant) for x, sc in zip(raw, (k_scale, v_scale))]
         if _sharing(s, len(seq_lens)) and shared:
-            kv[0][:shared * block_size] = keys[0][:shared * block_size]
-            kv[1][:shared * block_size] = values[0][:shared * block_size]
-        for truth, view in zip(kv, views):
+            for mine, theirs in zip(cells, first):
+                mine[:shared * block_size] = theirs[:shared * block_size]
+        first = first or cells
+        for cell, view in zip(cells, stored):
             for j, block in enumerate(tables[s]):
-                rows = truth[j * block_size:(j + 1) * block_size]
-                view[block, :, :rows.shape[0]] = rows.transpose(0, 1).to(dtype)
+                rows = cell[j * block_size:(j + 1) * block_size]
+                view[block, :, :rows.shape[0]] = rows.transpose(0, 1).to(view.device)
+        kv = [_truth(c, sc, quant) for c, sc in zip(cells, (k_scale, v_scale))]
         keys.append(kv[0])
         values.append(kv[1])
     nan_block = None
@@ -143,4 +182,6 @@ def make_case(
     return PagedCase(query.to(to), views[0], views[1], table.to(to),
                      torch.tensor(list(seq_lens), dtype=torch.int32, device=to),
                      None if cu is None else cu.to(to), keys, values,
-                     list(q_lens) if q_lens is not None else [1] * len(seq_lens))
+                     list(q_lens) if q_lens is not None else [1] * len(seq_lens),
+                     None if quant is None else list(k_scale),  # type: ignore[arg-type]
+                     None if quant is None else list(v_scale))  # type: ignore[arg-type]

@@ -35,11 +35,15 @@ def call(case, **overrides):
                               args.pop("block_tables"), args.pop("seq_lens"), **args)
 
 
-def call_planned(case, **overrides):
+def call_planned(case, scales_at="plan", **overrides):
     """The same call through a plan: `plan(<metadata and options>)` for the fixture's layout (the
-    model's), then `run(<the layer's tensors>)`."""
+    model's), then `run(<the layer's tensors>)`; an 8-bit cache's scales go to `plan` or, with
+    `scales_at="run"`, to `run` (a layer's own scales)."""
     args = _arguments(case, overrides)
     layer = [args.pop(name) for name in ("query", "key_cache", "value_cache")]
+    scales = {}
+    if scales_at == "run":
+        scales = {name: args.pop(name) for name in ("k_scale", "v_scale") if name in args}
     out = args.pop("out", None)
     _, num_heads, head_size = case.query.shape
     num_blocks, num_kv_heads, block_size, _ = case.key_cache.shape
@@ -48,7 +52,7 @@ def call_planned(case, **overrides):
     attn = plan(args.pop("block_tables"), args.pop("seq_lens"), num_heads=num_heads,
                 num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
                 num_blocks=num_blocks, dtype=case.query.dtype, **args)
-    return attn.run(*layer, out=out)
+    return attn.run(*layer, out=out, **scales)
 
 
 def raised(fn, *args, **kwargs) -> Exception:
@@ -164,12 +168,13 @@ def test_bad_attention_input(case, name, make, error, words):
         assert word in str(info.value), f"{word!r} not in {info.value}"
 
 
+@pytest.mark.parametrize("scales_at", ["plan", "run"])
 @pytest.mark.parametrize("name,make,error,words", BAD_ARGS, ids=[b[0] for b in BAD_ARGS])
-def test_plan_raises_what_the_one_shot_call_raises(case, name, make, error, words):
+def test_plan_raises_what_the_one_shot_call_raises(case, name, make, error, words, scales_at):
     """Every bad input, through `plan(...).run(...)`: the same type and message, raised by
-    `plan()` (the metadata) or by `run()` (the layer's tensors)."""
+    `plan()` (the metadata) or by `run()` (the layer's tensors, and the scales given to it)."""
     once = raised(call, case, **make(case))
-    planned = raised(call_planned, case, **make(case))
+    planned = raised(call_planned, case, scales_at, **make(case))
     assert (type(planned), str(planned)) == (type(once), str(once))
 
 
@@ -260,10 +265,15 @@ CACHE = lambda: (torch.zeros(CACHE_SHAPE), torch.zeros(CACHE_SHAPE))  # noqa: E7
 
 
 def write_planned(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None,
-                  backend="reference"):
+                  backend="reference", scales_at="plan"):
     """`write_kv` through a plan: `plan(..., slot_mapping=slot_mapping)` for a decode step of
     `kv_rows()`' 3 tokens over CACHE_SHAPE in the key's dtype (the key cache's dtype when it is
-    8-bit), then `write_kv(<the layer's tensors>)`."""
+    8-bit), then `write_kv(<the layer's tensors>)`; the scales go to `plan` or `write_kv`."""
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    if scales_at == "plan":
+        k_scale, v_scale = scales.pop("k_scale"), scales.pop("v_scale")
+    else:
+        k_scale = v_scale = None
     num_blocks, num_kv_heads, block_size, head_size = CACHE_SHAPE
     num_tokens = kv_rows()[0].shape[0]
     cache_dtype = key_cache.dtype if key_cache.dtype in EIGHT_BIT else None
@@ -273,7 +283,7 @@ def write_planned(key, value, key_cache, value_cache, slot_mapping, k_scale=None
                 num_blocks=num_blocks, dtype=key.dtype if key.is_floating_point() else
                 torch.float32, slot_mapping=slot_mapping,
                 kv_cache_dtype=cache_dtype, k_scale=k_scale, v_scale=v_scale, backend=backend)
-    attn.write_kv(key, value, key_cache, value_cache)
+    attn.write_kv(key, value, key_cache, value_cache, **scales)
 
 
 BAD_WRITES = [
@@ -344,9 +354,10 @@ def test_bad_8bit_write_kv_one_shot_and_planned(name, make, error, words):
     assert isinstance(once, error)
     for word in words:
         assert word in str(once), f"{word!r} not in {once}"
-    args, scales = make()
-    planned = raised(write_planned, *args, **scales)
-    assert (type(planned), str(planned)) == (type(once), str(once))
+    for scales_at in ("plan", "write_kv"):
+        args, scales = make()
+        planned = raised(write_planned, *args, scales_at=scales_at, **scales)
+        assert (type(planned), str(planned)) == (type(once), str(once)), scales_at
 
 
 def test_bad_block_mapping():

@@ -99,6 +99,38 @@ def test_swap_blocks_round_trip(backend):
     assert torch.isnan(back[[0, 1, 3, 4]]).all()
 
 
+EIGHT_BIT = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
+
+
+@pytest.mark.parametrize("dtype", EIGHT_BIT, ids=str)
+def test_copy_and_swap_8bit_blocks_as_bytes(backend, dtype):
+    """8-bit caches (random bytes, NaN codes included) copy and swap unchanged, byte for byte."""
+    device = backend_device(backend)
+    gen = torch.Generator().manual_seed(3)
+
+    def random_cache(num_blocks):
+        return torch.randint(0, 256, (num_blocks, 2, 4, 8), generator=gen,
+                             dtype=torch.uint8).to(device).view(dtype)
+
+    layers = [[random_cache(6) for _ in range(2)] for _ in range(2)]
+    before = [[c.view(torch.uint8).clone() for c in kind] for kind in layers]
+    pk.copy_blocks(layers[0], layers[1], torch.tensor([[0, 5], [2, 1]], device=device),
+                   backend=backend)
+    for kind, old in zip(layers, before):
+        for cache, prev in zip(kind, old):
+            data = cache.view(torch.uint8)
+            assert torch.equal(data[5], prev[0]) and torch.equal(data[1], prev[2])
+            assert torch.equal(data[[0, 2, 3, 4]], prev[[0, 2, 3, 4]])
+    src = layers[0][0]
+    host = random_cache(4).cpu()
+    pk.swap_blocks(src, host, torch.tensor([[4, 0], [1, 3]]), backend=backend)
+    back = torch.zeros(src.shape, dtype=torch.uint8, device=device).view(dtype)
+    pk.swap_blocks(host, back, torch.tensor([[0, 2], [3, 5]]), backend=backend)
+    got, want = back.view(torch.uint8), src.view(torch.uint8)
+    assert torch.equal(got[2], want[4]) and torch.equal(got[5], want[1])
+    assert not got[[0, 1, 3, 4]].any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_merge_equals_attention_over_union(dtype):
     """Attention over a prefix and a suffix of the keys, merged, equals attention over all."""

@@ -253,3 +253,50 @@ def test_cuda_graph_capture_and_replay(backend: str) -> None:
         torch.cuda.synchronize()
         ref, _ = attention_oracle(case.query, case.keys, case.values, case.q_lens)
         assert rel_error(out, ref) <= 1e-2
+
+
+def _8bit_case(dtype: torch.dtype) -> PagedCase:
+    return make_case([9, 3, 20], None, num_heads=4, num_kv_heads=2, head_size=16, block_size=4,
+                     dtype=torch.float32, seed=8, kv_cache_dtype=dtype, k_scale=[0.02, 0.02],
+                     v_scale=[0.05, 0.01])
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+def test_opcheck_8bit_cache(per_head: bool) -> None:
+    """The operators with an 8-bit cache and its scales (tensors in the schema): schema, fake
+    implementation and tracing agree with eager. int8: opcheck's schema check compares tensors
+    with operations torch's CPU lacks for fp8 (the fp8 path: the next test)."""
+    case = _8bit_case(torch.int8)
+    k_scale = torch.tensor(case.k_scale if per_head else case.k_scale[:1])
+    v_scale = torch.tensor(case.v_scale if per_head else case.v_scale[:1])
+    torch.library.opcheck(torch.ops.paged_kernels.paged_attention.default, (
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, None,
+        torch.empty_like(case.query), None, None, None, None, None, k_scale, v_scale,
+        "reference"))
+    key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    torch.library.opcheck(torch.ops.paged_kernels.write_kv.default, (
+        key, value, case.key_cache.clone(), case.value_cache.clone(), torch.tensor([0, -1, 5]),
+        k_scale, v_scale, "reference"))
+
+
+def test_8bit_cache_through_the_operators_equals_the_eager_api() -> None:
+    """A float scale (made a tensor by the wrapper) and a per-head tensor give the eager API's
+    results bit for bit, and the fake implementation refuses a missing scale at trace time."""
+    case = _8bit_case(torch.float8_e5m2)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    scales = {"k_scale": case.k_scale[0], "v_scale": torch.tensor(case.v_scale)}
+    got = custom_ops.paged_attention(*args, backend="reference", **scales)
+    want = pk.paged_attention(*args, backend="reference", **scales)
+    assert torch.equal(got, want)
+    ref, _ = attention_oracle(case.query, case.keys, case.values, case.q_lens)
+    assert rel_error(got, ref) <= 1e-5
+    caches = [(case.key_cache.clone(), case.value_cache.clone()) for _ in range(2)]
+    key, value, slots = torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.tensor([0, -1, 5])
+    custom_ops.write_kv(key, value, *caches[0], slots, backend="reference", **scales)
+    pk.write_kv(key, value, *caches[1], slots, backend="reference", **scales)
+    for a, b in zip(*caches):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in args]
+        with pytest.raises(TypeError, match="k_scale: expected a scale"):
+            custom_ops.paged_attention(*fake, v_scale=1.0)

@@ -15,17 +15,27 @@ import pytest
 import torch
 from oracle import attention_oracle, rel_error
 from paged_case import make_case
-from test_conformance import backend_device, feature_kwargs, skip_if_unsupported
+from test_conformance import (
+    backend_device,
+    config_case,
+    feature_kwargs,
+    kv_scales,
+    scale_kwargs,
+    skip_if_unsupported,
+)
 
 import paged_kernels as pk
 from paged_kernels.attention import paged_attention, plan, write_kv
-from paged_kernels.conformance import Config, batch_lengths, tolerance
+from paged_kernels.conformance import Config, tolerance
 
 CONFIGS = [
     Config(dtype=torch.bfloat16, batch="decode"),
     Config(dtype=torch.float32, batch="mixed"),
     Config(dtype=torch.float16, batch="chunked", heads=(6, 2), block_size=8,
            features=("sliding_window", "soft_cap", "alibi", "lse", "strided")),
+    # an 8-bit cache, each layer with its own scales (given to run, not to plan)
+    Config(dtype=torch.bfloat16, batch="decode", kv_cache_dtype=torch.int8,
+           scale_form="per_tensor", features=("strided",)),
 ]
 
 
@@ -36,15 +46,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _layers(config: Config, device: str, count: int = 2) -> list:
     """`count` cases with the same metadata and different K/V (one per layer): layer i's K/V
-    are layer 0's times (-0.5)**i, exact in every dtype, NaN slots still NaN."""
-    seq_lens, q_lens = batch_lengths(config.batch, config.block_size)
-    num_heads, num_kv_heads = config.heads
-    case = make_case(seq_lens, q_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                     head_size=config.head_size, block_size=config.block_size,
-                     dtype=config.dtype, seed=0, nhd="strided" in config.features,
-                     device=device)
+    are layer 0's times (-0.5)**i, exact in every dtype, NaN slots still NaN. With an 8-bit
+    cache, layer i has layer 0's bytes and scales times 0.5**i (so its K/V are times 0.5**i)."""
+    case = config_case(config, device)
     cases = [case]
     for i in range(1, count):
+        if config.kv_cache_dtype is not None:
+            f = 0.5 ** i
+            cases.append(replace(case, k_scale=[x * f for x in case.k_scale],
+                                 v_scale=[x * f for x in case.v_scale],
+                                 keys=[t * f for t in case.keys],
+                                 values=[t * f for t in case.values]))
+            continue
         f = (-0.5) ** i
         # mul_ on a clone keeps the (possibly strided) layout of the cache view
         k, v = case.key_cache.clone(), case.value_cache.clone()
@@ -59,7 +72,8 @@ def _plan_for(case, config: Config, backend: str, device: str, **kwargs):
     return plan(case.block_tables, case.seq_lens, cu_seqlens_q=case.cu_seqlens_q,
                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=config.head_size,
                 block_size=config.block_size, num_blocks=case.key_cache.shape[0],
-                dtype=config.dtype, backend=backend, **kwargs)
+                dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype, backend=backend,
+                **kwargs)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.id for c in CONFIGS])
@@ -72,11 +86,12 @@ def test_run_equals_one_shot_and_oracle(backend: str, config: Config) -> None:
     cases = _layers(config, device)
     attn = _plan_for(cases[0], config, backend, device, return_lse=want_lse, **kwargs)
     for case in cases:
+        scales = scale_kwargs(config, case.k_scale, case.v_scale, device)  # this layer's
         out = torch.full_like(case.query, math.nan)
-        got = attn.run(case.query, case.key_cache, case.value_cache, out=out)
+        got = attn.run(case.query, case.key_cache, case.value_cache, out=out, **scales)
         once = paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
                                case.seq_lens, cu_seqlens_q=case.cu_seqlens_q,
-                               return_lse=want_lse, backend=backend, **kwargs)
+                               return_lse=want_lse, backend=backend, **kwargs, **scales)
         if want_lse:
             (got, lse), (once, once_lse) = got, once
             assert torch.equal(_bits(lse), _bits(once_lse))
@@ -90,9 +105,16 @@ def test_run_equals_one_shot_and_oracle(backend: str, config: Config) -> None:
             assert rel_error(lse, ref_lse) <= tolerance(config.dtype)
 
 
+WRITE_CONFIGS = [Config(dtype=torch.bfloat16, batch="mixed", features=("strided",)),
+                 Config(dtype=torch.bfloat16, batch="decode", kv_cache_dtype=torch.float8_e5m2)]
+
+
+@pytest.mark.parametrize("config", WRITE_CONFIGS, ids=[c.id for c in WRITE_CONFIGS])
 @pytest.mark.parametrize("backend", pk.registered_backends())
-def test_write_kv_equals_one_shot(backend: str) -> None:
-    config = Config(dtype=torch.bfloat16, batch="mixed", features=("strided",))
+def test_write_kv_equals_one_shot(backend: str, config: Config) -> None:
+    """plan.write_kv equals write_kv bit for bit (an 8-bit cache: with the plan's scales, and
+    with a layer's own); float rows land unchanged in their slots (8-bit bytes: the conformance
+    suite's bit-exact test)."""
     device = backend_device(backend)
     skip_if_unsupported(backend, config, device)
     case = _layers(config, device, count=1)[0]
@@ -106,12 +128,19 @@ def test_write_kv_equals_one_shot(backend: str) -> None:
     # strided rows, as a model's fused QKV projection gives them
     rows = torch.randn(num_tokens, 3 * num_kv_heads, head_size, generator=gen).to(config.dtype)
     key, value = rows[:, :num_kv_heads].to(device), rows[:, 2 * num_kv_heads:].to(device)
-    attn = _plan_for(case, config, backend, device, slot_mapping=slots)
-    caches = [(case.key_cache.clone(), case.value_cache.clone()) for _ in range(2)]
+    scales = scale_kwargs(config, *kv_scales(config, num_kv_heads), device)
+    attn = _plan_for(case, config, backend, device, slot_mapping=slots, **scales)
+    caches = [(case.key_cache.clone(), case.value_cache.clone()) for _ in range(3)]
     attn.write_kv(key, value, *caches[0])
-    write_kv(key, value, *caches[1], slots, backend=backend)
+    write_kv(key, value, *caches[1], slots, backend=backend, **scales)
     for a, b in zip(caches[0], caches[1]):
         assert torch.equal(_bits(a), _bits(b)), "plan.write_kv differs from write_kv"
+    if scales:  # a layer's own scales replace the plan's
+        attn.write_kv(key, value, *caches[2], k_scale=2.0, v_scale=0.5)
+        write_kv(key, value, *caches[1], slots, backend=backend, k_scale=2.0, v_scale=0.5)
+        for a, b in zip(caches[2], caches[1]):
+            assert torch.equal(_bits(a), _bits(b)), "a layer's scales were not used"
+        return
     expected = [case.key_cache.clone().cpu(), case.value_cache.clone().cpu()]
     for t, slot in enumerate(slots.tolist()):  # the oracle: one row at a time
         if slot >= 0:

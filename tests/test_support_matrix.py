@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,7 @@ def test_instance_here_supports_no_more_than_declared(name: str) -> None:
     actual = pk.get_backend(name).support
     assert actual.device_types <= declared.device_types
     assert actual.dtypes == declared.dtypes and actual.features == declared.features
+    assert actual.kv_cache_dtypes == declared.kv_cache_dtypes
     assert _within(actual.head_sizes, actual.max_head_size, declared.head_sizes,
                    declared.max_head_size), (actual, declared)
     assert _within(actual.block_sizes, actual.max_block_size, declared.block_sizes,
@@ -99,19 +101,29 @@ def test_coverage_counts_match_a_direct_count() -> None:
     run, reasons = tool.coverage(LIMITED, fast, "cuda")
     expected_run = sum(
         c.dtype != torch.float32 and c.head_size <= 128 and c.block_size in (16, 32)
-        and "alibi" not in c.features for c in fast)
+        and "alibi" not in c.features and c.kv_cache_dtype is None for c in fast)
     assert run == expected_run and 0 < run < len(fast)
     assert sum(reasons.values()) == len(fast) - run
     assert any("dtype torch.float32" in r for r in reasons)
+    assert any("KV cache dtype torch.int8 (8-bit cache dtypes supported: none)" in r
+               for r in reasons)
+    with_int8 = replace(LIMITED, kv_cache_dtypes=frozenset({torch.int8}))
+    run_int8, _ = tool.coverage(with_int8, fast, "cuda")
+    assert run_int8 == run + sum(
+        c.dtype != torch.float32 and c.head_size <= 128 and c.block_size in (16, 32)
+        and "alibi" not in c.features and c.kv_cache_dtype == torch.int8 for c in fast) > run
     run_cpu, reasons_cpu = tool.coverage(LIMITED, fast, "cpu")
     assert run_cpu == 0 and all(r.startswith("device type 'cpu'") for r in reasons_cpu)
 
 
 def test_render_shows_limits_reasons_and_unreadable_declarations() -> None:
-    decls = [tool.Declaration("fast", LIMITED, "somewhere.SUPPORT"),
+    decls = [tool.Declaration("fast", replace(LIMITED, kv_cache_dtypes=frozenset({torch.int8})),
+                              "somewhere.SUPPORT"),
              tool.Declaration("ghost", None, "declaration not importable here: no module")]
     text = tool.render(decls, conformance.fast_matrix(), conformance.fast_matrix())
-    assert "| `fast` | cuda | float16, bfloat16 | any up to 128 | 16, 32 | all but alibi |" in text
+    assert ("| `fast` | cuda | float16, bfloat16 | int8 | any up to 128 | 16, 32 | all but alibi |"
+            in text)
     assert "~~256~~" in text and "~~float32~~" in text and "~~alibi~~" in text
+    assert "- 8-bit KV cache: ~~float8_e4m3fn~~ ~~float8_e5m2~~ int8" in text
     assert "- `max_head_size`: accumulators live in registers" in text
     assert "| `ghost` | ? |" in text and "declaration not importable here: no module" in text

@@ -108,6 +108,12 @@ def _dtypes(s: Support) -> str:
     return ", ".join(_dtype(d) for d in FLOAT_DTYPES if d in s.dtypes)
 
 
+def _kv_cache_dtypes(s: Support) -> str:
+    """The 8-bit cache dtypes a declaration lists, or "none" (float caches only)."""
+    listed = [_dtype(d) for d in conformance.KV_CACHE_DTYPES if d in s.kv_cache_dtypes]
+    return ", ".join(listed) or "none"
+
+
 def _sizes(allowed: Optional[frozenset[int]], maximum: Optional[int]) -> str:
     if allowed is not None:
         text = ", ".join(str(v) for v in sorted(allowed))
@@ -140,7 +146,7 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]
 
 def _why(s: Support, config: conformance.Config, device_type: str) -> Optional[str]:
     return s.unsupported(config.dtype, config.head_size, config.block_size,
-                         config.api_features(), device_type)
+                         config.api_features(), device_type, config.kv_cache_dtype)
 
 
 def coverage(s: Support, configs: Sequence[conformance.Config],
@@ -177,6 +183,8 @@ def _axis_support(s: Support) -> list[tuple[str, str]]:
         ("head size", marks(conformance.HEAD_SIZES, head_ok)),
         ("block size", marks(conformance.BLOCK_SIZES, block_ok)),
         ("feature", marks(FEATURES, lambda f: f in s.features)),
+        ("8-bit KV cache", marks((_dtype(d) for d in conformance.KV_CACHE_DTYPES),
+                                 lambda n: getattr(torch, n) in s.kv_cache_dtypes)),
     ]
 
 
@@ -187,13 +195,13 @@ def _overview(decls: Sequence[Declaration]) -> list[str]:
     for d in decls:
         s = d.support
         if s is None:
-            rows.append((f"`{d.backend}`", "?", "?", "?", "?", "?"))
+            rows.append((f"`{d.backend}`", "?", "?", "?", "?", "?", "?"))
             continue
         rows.append((f"`{d.backend}`", ", ".join(sorted(s.device_types)), _dtypes(s),
-                     _sizes(s.head_sizes, s.max_head_size),
+                     _kv_cache_dtypes(s), _sizes(s.head_sizes, s.max_head_size),
                      _sizes(s.block_sizes, s.max_block_size), _features(s)))
-    return _table(("backend", "device types", "dtypes", "head sizes", "block sizes", "features"),
-                  rows)
+    return _table(("backend", "device types", "dtypes", "8-bit KV caches", "head sizes",
+                   "block sizes", "features"), rows)
 
 
 def _backend_section(d: Declaration, fast: Sequence[conformance.Config],
@@ -206,6 +214,7 @@ def _backend_section(d: Declaration, fast: Sequence[conformance.Config],
     lines += _table(("", "supported"), [
         ("device types", ", ".join(sorted(s.device_types))),
         ("dtypes", _dtypes(s)),
+        ("8-bit KV caches", _kv_cache_dtypes(s)),
         ("head sizes", _sizes(s.head_sizes, s.max_head_size)),
         ("block sizes", _sizes(s.block_sizes, s.max_block_size)),
         *((f"feature `{f}`", _yes(f in s.features)) for f in FEATURES),
@@ -258,9 +267,12 @@ def _axes(fast: Sequence[conformance.Config],
                                                    for h, k in conformance.HEAD_LAYOUTS),
         f"- batch compositions: {', '.join(conformance.BATCHES)}",
         f"- feature sets: {feature_sets}",
+        "- KV cache dtypes: the query's dtype, and the 8-bit "
+        f"{', '.join(_dtype(d) for d in conformance.KV_CACHE_DTYPES)} with scales "
+        f"{' or '.join(conformance.SCALE_FORMS)}",
         f"- fast matrix (CI): {len(fast)} configurations, one axis at a time around "
         f"`{conformance.Config().id}`; exhaustive (`pytest --exhaustive`): {len(exhaustive)}, "
-        "every axis crossed.",
+        "every axis crossed (the 8-bit caches with no feature and with all at once).",
     ]
 
 
