@@ -1,0 +1,133 @@
+"""Decode over an 8-bit KV cache against a bfloat16 one on the `cpu` backend, in the same run:
+time per call, speed-up over bfloat16, and GB/s of cache read.
+
+The problem is the issue's decode shape: `--seqs` sequences of `--context` tokens (16 x 4096),
+32 query heads over 8 KV heads, block size 16, bfloat16 queries, per head size. The 8-bit caches
+hold the bfloat16 cache's K/V written by `write_kv` (per-KV-head scales from the amax, so the
+codes span the format); each call reads the same blocks. Variants are timed in turns (round
+robin, `--rounds` rounds of `bench.timing.median_seconds`), and each variant's time is the
+median of its rounds, so that a change in the machine's load falls on every variant alike.
+
+"GB/s of cache read" counts the bytes the attention needs, every K and V row of every sequence
+once, in the cache's own width (1 byte an element for 8-bit, 2 for bfloat16), over the wall time
+of the call; the copy bandwidth of the same run (`bench.ceilings`, read + written) is the scale.
+
+    python -m bench.kv_quant_speed [--head-sizes 64 128] [--threads 2] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from typing import Callable, Optional
+
+import torch
+
+import paged_kernels as pk
+from bench.ceilings import copy_bandwidth
+from bench.shapes import BenchProblem, make_mixed
+from bench.timing import median_seconds
+
+#: Cache dtypes timed against bfloat16, and the largest magnitude of each (the scale maps the
+#: amax of each KV head there).
+CACHE_DTYPES = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
+
+
+def quantized_caches(p: BenchProblem, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache, k_scale, v_scale): `p`'s caches written into `dtype` caches by
+    the cpu backend's `write_kv`, slot for slot, with per-KV-head scales amax / format max."""
+    num_blocks, heads, block_size, head_size = p.key_cache.shape
+    slots = torch.arange(num_blocks * block_size)
+    out = []
+    scales = []
+    for cache in (p.key_cache, p.value_cache):
+        rows = cache.permute(0, 2, 1, 3).reshape(-1, heads, head_size)
+        amax = rows.float().abs().amax(dim=(0, 2)).clamp(min=1e-6)
+        scales.append(amax / CACHE_DTYPES[dtype])
+        out.append(torch.empty(cache.shape, dtype=dtype))
+    pk.write_kv(p.key_cache.permute(0, 2, 1, 3).reshape(-1, heads, head_size),
+                p.value_cache.permute(0, 2, 1, 3).reshape(-1, heads, head_size),
+                out[0], out[1], slots, k_scale=scales[0], v_scale=scales[1], backend="cpu")
+    return out[0], out[1], scales[0], scales[1]
+
+
+def cache_bytes_read(p: BenchProblem, element_size: int) -> int:
+    """K and V rows of every sequence, once each, in a cache of `element_size` bytes."""
+    heads, head_size = p.key_cache.shape[1], p.key_cache.shape[3]
+    return 2 * int(p.seq_lens.sum()) * heads * head_size * element_size
+
+
+def decode_calls(p: BenchProblem) -> dict[str, tuple[Callable[[], object], int]]:
+    """Per cache name ("bfloat16", "float8_e4m3fn", ...): a decode call and its cache bytes."""
+    out = torch.empty_like(p.query)
+    calls: dict[str, tuple[Callable[[], object], int]] = {}
+
+    def call(k, v, ks, vs):
+        return lambda: pk.paged_attention(p.query, k, v, p.block_tables, p.seq_lens, out=out,
+                                          k_scale=ks, v_scale=vs, backend="cpu")
+
+    calls["bfloat16"] = (call(p.key_cache, p.value_cache, None, None), cache_bytes_read(p, 2))
+    for dtype in CACHE_DTYPES:
+        k, v, ks, vs = quantized_caches(p, dtype)
+        calls[str(dtype).removeprefix("torch.")] = (call(k, v, ks, vs), cache_bytes_read(p, 1))
+    return calls
+
+
+def measure(head_size: int, seqs: int, context: int, rounds: int, repeat: int) -> list[dict]:
+    """One row per cache dtype for this head size: median time over the rounds, speed-up over
+    bfloat16, GB/s of cache read."""
+    p = make_mixed([context] * seqs, [1] * seqs, head_size=head_size, dtype=torch.bfloat16)
+    calls = decode_calls(p)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, (fn, _) in calls.items():
+            times[name].append(median_seconds(fn, "cpu", warmup=1, repeat=repeat))
+    base = statistics.median(times["bfloat16"])
+    rows = []
+    for name, (_, nbytes) in calls.items():
+        t = statistics.median(times[name])
+        rows.append({"head_size": head_size, "cache": name, "seconds": t,
+                     "round_seconds": times[name], "speedup_vs_bf16": base / t,
+                     "cache_bytes": nbytes, "cache_GBps": nbytes / t / 1e9})
+    return rows
+
+
+def table(rows: list[dict], copy_gbps: float) -> str:
+    """The rows as a Markdown table."""
+    lines = [f"copy bandwidth (read + written): {copy_gbps:.1f} GB/s", "",
+             "| head size | cache | ms / call | x bf16 | cache GB/s |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['head_size']} | {r['cache']} | {r['seconds'] * 1e3:.2f} | "
+                     f"{r['speedup_vs_bf16']:.2f} | {r['cache_GBps']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head-sizes", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqs", type=int, default=16)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="turns over the variants")
+    ap.add_argument("--repeat", type=int, default=3, help="calls per variant per turn")
+    ap.add_argument("--out", help="write the rows and the run's settings as JSON")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    copy = copy_bandwidth("cpu")
+    rows = []
+    for head_size in args.head_sizes:
+        rows += measure(head_size, args.seqs, args.context, args.rounds, args.repeat)
+    print(table(rows, copy["copy_GBps"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"settings": vars(args), "copy": copy, "rows": rows,
+                       "load_average_before_after": [load_before, os.getloadavg()]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
