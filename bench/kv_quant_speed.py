@@ -6,7 +6,9 @@ The problem is the issue's decode shape: `--seqs` sequences of `--context` token
 hold the bfloat16 cache's K/V written by `write_kv` (per-KV-head scales from the amax, so the
 codes span the format); each call reads the same blocks. Variants are timed in turns (round
 robin, `--rounds` rounds of `bench.timing.median_seconds`), and each variant's time is the
-median of its rounds, so that a change in the machine's load falls on every variant alike.
+median of its rounds, so that a change in the machine's load falls on every variant alike. The
+process CPU time per call (all threads, median over every call) is reported next to the wall
+time: on a shared machine it leaves out the time other processes held the cores.
 
 "GB/s of cache read" counts the bytes the attention needs, every K and V row of every sequence
 once, in the cache's own width (1 byte an element for 8-bit, 2 for bfloat16), over the wall time
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 from typing import Callable, Optional
 
 import torch
@@ -76,21 +79,34 @@ def decode_calls(p: BenchProblem) -> dict[str, tuple[Callable[[], object], int]]
     return calls
 
 
+def with_cpu_time(fn: Callable[[], object], cpu: list[float]) -> Callable[[], object]:
+    """`fn` that appends the process CPU time of each call to `cpu`."""
+    def timed():
+        t0 = time.process_time()
+        fn()
+        cpu.append(time.process_time() - t0)
+    return timed
+
+
 def measure(head_size: int, seqs: int, context: int, rounds: int, repeat: int) -> list[dict]:
-    """One row per cache dtype for this head size: median time over the rounds, speed-up over
-    bfloat16, GB/s of cache read."""
+    """One row per cache dtype for this head size: median wall time over the rounds, median CPU
+    time per call, speed-ups over bfloat16, GB/s of cache read."""
     p = make_mixed([context] * seqs, [1] * seqs, head_size=head_size, dtype=torch.bfloat16)
     calls = decode_calls(p)
     times: dict[str, list[float]] = {name: [] for name in calls}
+    cpu: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, (fn, _) in calls.items():
-            times[name].append(median_seconds(fn, "cpu", warmup=1, repeat=repeat))
+            timed = with_cpu_time(fn, cpu[name])
+            times[name].append(median_seconds(timed, "cpu", warmup=1, repeat=repeat))
     base = statistics.median(times["bfloat16"])
+    base_cpu = statistics.median(cpu["bfloat16"])
     rows = []
     for name, (_, nbytes) in calls.items():
-        t = statistics.median(times[name])
+        t, c = statistics.median(times[name]), statistics.median(cpu[name])
         rows.append({"head_size": head_size, "cache": name, "seconds": t,
                      "round_seconds": times[name], "speedup_vs_bf16": base / t,
+                     "cpu_seconds": c, "cpu_speedup_vs_bf16": base_cpu / c,
                      "cache_bytes": nbytes, "cache_GBps": nbytes / t / 1e9})
     return rows
 
@@ -98,11 +114,13 @@ def measure(head_size: int, seqs: int, context: int, rounds: int, repeat: int) -
 def table(rows: list[dict], copy_gbps: float) -> str:
     """The rows as a Markdown table."""
     lines = [f"copy bandwidth (read + written): {copy_gbps:.1f} GB/s", "",
-             "| head size | cache | ms / call | x bf16 | cache GB/s |",
-             "| --- | --- | --- | --- | --- |"]
+             "| head size | cache | ms / call | x bf16 | cache GB/s | CPU ms / call "
+             "| x bf16 (CPU) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['head_size']} | {r['cache']} | {r['seconds'] * 1e3:.2f} | "
-                     f"{r['speedup_vs_bf16']:.2f} | {r['cache_GBps']:.2f} |")
+                     f"{r['speedup_vs_bf16']:.2f} | {r['cache_GBps']:.2f} | "
+                     f"{r['cpu_seconds'] * 1e3:.2f} | {r['cpu_speedup_vs_bf16']:.2f} |")
     return "\n".join(lines)
 
 
