@@ -145,3 +145,37 @@ def test_hf_dir_special_tokens_and_chat_template_sources(tmp_path):
     os.remove(tmp_path / "tokenizer.json")
     with pytest.raises(FileNotFoundError, match="^model: expected .*tokenizer.json"):
         load()
+
+
+def test_min_num_tokens_never_exceeds_the_count(tok):
+    """`max_chars_per_token` is a true bound for the byte-level vocabulary: no token of random
+    text (ASCII, multi-byte and 4-byte characters, special-token strings, long runs of the
+    characters the longest tokens are made of) covers more characters, so `min_num_tokens`
+    never exceeds the real count."""
+    import random
+
+    bound = tok.max_chars_per_token
+    assert bound is not None and bound >= max(len(t) for t in ("<|im_start|>", "<|im_end|>"))
+    rng = random.Random(15)
+    pieces = ["a", " ", "\n", "#", "=", "-", "é", "中", "🎉", "\u0301", "<|im_start|>",
+              "<|endoftext|>", " " * 90, "\n" + " " * 85, "#" * 100, "word ", "1234"]
+    for _ in range(60):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 120)))
+        enc = tok._tok.encode(text, add_special_tokens=False)
+        covered = [end - start for start, end in enc.offsets]
+        assert max(covered) <= bound, text
+        assert tok.min_num_tokens(text) <= len(tok.encode(text)), text
+
+
+def test_long_texts_encode_the_same_without_the_gil(tok):
+    text = " ".join(TEXTS) * 200  # over the GIL-free threshold
+    assert len(text) > 4096
+    assert tok.encode(text) == tok._tok.encode(text).ids
+    assert tok.encode(text, add_special_tokens=False) == \
+        tok._tok.encode(text, add_special_tokens=False).ids
+
+
+def test_a_tokenizer_that_may_fuse_text_has_no_bound(tok):
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "a", "b"]}
+    assert Tokenizer.from_gguf_metadata(meta).max_chars_per_token is None
+    assert Tokenizer.from_gguf_metadata(meta).min_num_tokens("x" * 100) == 0

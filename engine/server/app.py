@@ -90,11 +90,11 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        return server.tokenize(req)
+        return await server.tokenize(req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
-        return server.detokenize(req)
+        return await server.detokenize(req)
 
     @app.get("/internal/stats")
     async def engine_stats() -> dict[str, Any]:

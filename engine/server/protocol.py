@@ -1,8 +1,12 @@
 """Request models of the OpenAI-compatible API (OpenAI's fields plus vLLM's sampling extras).
 
 Pydantic checks types and ranges; a failure becomes a 400 in OpenAI's error shape
-(`engine.server.errors`). `sampling_kwargs` maps a request onto `engine.sampling_params.
-SamplingParams` keyword arguments. Responses are plain dicts built in `engine.server.app`.
+(`engine.server.errors`). Before any of that, every string of a request body (prompts, messages,
+names, `model`, `stop`, `user`, unknown fields too) must be valid Unicode: JSON's `\\ud800`
+escapes decode to lone surrogates, which no tokenizer or encoder takes; such a body is a 400
+naming the field (`messages.0.content`), without echoing the text. `sampling_kwargs` maps a
+request onto `engine.sampling_params.SamplingParams` keyword arguments. Responses are plain dicts
+built in `engine.server.app`.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from pydantic import (
     StrictInt,
     StrictStr,
     field_validator,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
-from engine.server.errors import APIError
+from engine.sampling_params import SEED_MAX, SEED_MIN
+from engine.server.errors import INVALID_UNICODE, APIError, encodable
 
 #: Most top log-probabilities a request may ask for per token (OpenAI's limit).
 MAX_LOGPROBS = 20
@@ -31,6 +38,62 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _invalid_text(value: str) -> int:
+    """The index of the first character of `value` UTF-8 cannot encode (a lone surrogate), or
+    -1 when it is valid text."""
+    if value.isascii():
+        return -1
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return -1
+
+
+def _first_invalid_text(value: Any, path: str) -> Optional[tuple[str, int, str]]:
+    """(field path, index, character) of the first string in the JSON value `value` (object
+    keys included) that is not valid Unicode; None when all are."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            at = _invalid_text(item)
+            if at >= 0:
+                return where, at, item[at]
+        elif isinstance(item, dict):
+            for key, sub in reversed(list(item.items())):
+                sub_path = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str) and _invalid_text(key) >= 0:
+                    return encodable(sub_path), _invalid_text(key), key[_invalid_text(key)]
+                stack.append((sub, sub_path))
+        elif isinstance(item, list) and not all(type(x) is int for x in item):
+            stack.extend((sub, f"{where}.{i}") for i, sub in reversed(list(enumerate(item))))
+    return None
+
+
+def check_unicode(data: Any) -> Any:
+    """`data` (a parsed JSON body) unchanged when every string in it is valid Unicode; else a
+    pydantic error of type `errors.INVALID_UNICODE` naming the first field at fault."""
+    bad = _first_invalid_text(data, "")
+    if bad is not None:
+        field, at, ch = bad
+        raise PydanticCustomError(
+            INVALID_UNICODE, "{field}: expected valid Unicode text, got a string with a lone "
+            "surrogate (U+{code}) at character {at}; encode text as UTF-8 and escape only "
+            "whole characters (\\ud83d\\ude00 pairs)",
+            {"field": field or "body", "code": f"{ord(ch):04X}", "at": at})
+    return data
+
+
+class _Request(_Model):
+    """A request body: its strings are checked to be valid Unicode before anything else."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return check_unicode(data)
+
+
 class StreamOptions(_Model):
     """`stream_options`: `include_usage` adds a last chunk with the usage and no choices."""
 
@@ -38,7 +101,7 @@ class StreamOptions(_Model):
     continuous_usage_stats: StrictBool = False
 
 
-class _SamplingFields(_Model):
+class _SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
     model: Optional[StrictStr] = None
@@ -46,7 +109,7 @@ class _SamplingFields(_Model):
     temperature: Optional[StrictFloat] = Field(None, ge=0.0)
     top_p: Optional[StrictFloat] = Field(None, gt=0.0, le=1.0)
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-    seed: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     stream: StrictBool = False
@@ -210,7 +273,7 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(_Request):
     """`POST /tokenize`: either `prompt` or chat `messages` (vLLM's shape)."""
 
     model: Optional[StrictStr] = None
@@ -220,7 +283,7 @@ class TokenizeRequest(_Model):
     add_generation_prompt: StrictBool = True
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(_Request):
     """`POST /detokenize`: token ids back to text."""
 
     model: Optional[StrictStr] = None

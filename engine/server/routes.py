@@ -2,18 +2,29 @@
 completions (streaming and not), models, tokenize and detokenize, and the engine's stats, on top
 of one `AsyncEngine`.
 
-Request handling: check the model name and readiness, turn the prompt into token ids, check its
-length against `max_model_len`, build `SamplingParams` (their ValueErrors become 400s; all in
-`inputs`), then add one engine request per prompt and either stream server-sent events or wait
-for the end (`streaming`), the deltas made into OpenAI's JSON by a job (`jobs`).
+Request handling: check the model name, readiness and the cheap bounds (`ServerLimits`) on the
+event loop; then, in one of the server's worker threads, turn the prompt into token ids (text
+that cannot fit `max_model_len` by its length is refused before tokenising), check its length
+against `max_model_len` and build `SamplingParams` with their stop-string matcher (their
+ValueErrors become 400s; all in `inputs`); then add one engine request per prompt and either
+stream server-sent events or wait for the end (`streaming`), the deltas made into OpenAI's JSON
+by a job (`jobs`).
+
+The worker threads are a small pool of this server's own (`NUM_INPUT_WORKERS`), not asyncio's
+default executor: tokenising releases the GIL (`Tokenizer.encode`), so a few threads keep the
+cores busy, while a burst of large prompts queues there instead of taking every thread the
+process has.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, is_dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -31,6 +42,11 @@ from engine.server.protocol import (
 )
 from engine.server.streaming import add_all, merge, sse_response, until_disconnect
 
+#: Threads that tokenise prompts, render chat templates and build sampling parameters.
+NUM_INPUT_WORKERS = 4
+
+T = TypeVar("T")
+
 
 class OpenAIServer:
     """The endpoints' logic for one served model. `model_names`: the names a request may use
@@ -43,6 +59,17 @@ class OpenAIServer:
         self.model_names = model_names
         self.limits = limits or ServerLimits()
         self.created = int(time.time())
+        self._workers = ThreadPoolExecutor(NUM_INPUT_WORKERS, thread_name_prefix="inputs")
+
+    async def in_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in one of the server's worker threads (the event loop goes on)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        """Ends the worker threads (work queued but not started is dropped); for app
+        shutdown."""
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     @property
     def model_name(self) -> str:
@@ -69,23 +96,21 @@ class OpenAIServer:
         """One token's text, special tokens included (for logprobs)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        """POST /v1/completions: one engine request per prompt."""
+    def check_cheap_bounds(self, req: Any) -> None:
+        """The model name, readiness and `limits`: checks that cost nothing, made on the
+        event loop before any heavy work."""
         self.check_model(req.model)
         self.engine.check_ready()
+        inputs.check_stop(req.stop, self.limits)
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        """POST /v1/completions: one engine request per prompt."""
+        self.check_cheap_bounds(req)
         req.check_best_of()
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo: prompt logprobs are not supported; use echo without "
                            "logprobs", "echo")
-        prompts = [inputs.prompt_ids(self.tokenizer, p, req.add_special_tokens)
-                   for p in req.prompts()]
-        params = []
-        for ids in prompts:
-            kwargs = req.base_sampling_kwargs()
-            kwargs["max_tokens"] = inputs.max_tokens(self.max_model_len, len(ids),
-                                                     req.max_tokens)
-            kwargs["logprobs"] = req.logprobs
-            params.append(inputs.sampling_params(kwargs))
+        prompts, params = await self.in_worker(self._completion_inputs, req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await add_all(self.engine, request_id, prompts, params)
         job = CompletionJob(self, req, request_id, prompts)
@@ -93,17 +118,37 @@ class OpenAIServer:
             return sse_response(job.stream(merge(streams)))
         return JSONResponse(await until_disconnect(raw, job.collect(merge(streams))))
 
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        """POST /v1/chat/completions: the messages rendered by the chat template."""
-        self.check_model(req.model)
-        self.engine.check_ready()
-        num_logprobs = req.num_logprobs
-        ids = inputs.chat_prompt_ids(self.tokenizer, req)
+    def _completion_inputs(self, req: CompletionRequest) -> tuple[list[list[int]], list[Any]]:
+        """(prompt ids, SamplingParams) per prompt of a completions request (worker thread)."""
+        inputs.check_stop_token_ids(req.stop_token_ids, self.tokenizer.vocab_size)
+        prompts, params = [], []
+        for p in req.prompts():
+            ids = inputs.prompt_ids(self.tokenizer, p, req.add_special_tokens,
+                                    self.max_model_len, req.max_tokens)
+            kwargs = req.base_sampling_kwargs()
+            kwargs["max_tokens"] = inputs.max_tokens(self.max_model_len, len(ids),
+                                                     req.max_tokens)
+            kwargs["logprobs"] = req.logprobs
+            prompts.append(ids)
+            params.append(inputs.sampling_params(kwargs))
+        return prompts, params
+
+    def _chat_inputs(self, req: ChatCompletionRequest, num_logprobs: Optional[int]
+                     ) -> tuple[list[int], Any]:
+        """(prompt ids, SamplingParams) of a chat request (worker thread)."""
+        inputs.check_stop_token_ids(req.stop_token_ids, self.tokenizer.vocab_size)
+        ids = inputs.chat_prompt_ids(self.tokenizer, req, self.max_model_len)
         kwargs = req.base_sampling_kwargs()
         kwargs["max_tokens"] = inputs.max_tokens(self.max_model_len, len(ids),
                                                  req.requested_max_tokens)
         kwargs["logprobs"] = num_logprobs
-        params = inputs.sampling_params(kwargs)
+        return ids, inputs.sampling_params(kwargs)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        """POST /v1/chat/completions: the messages rendered by the chat template."""
+        self.check_cheap_bounds(req)
+        num_logprobs = req.num_logprobs
+        ids, params = await self.in_worker(self._chat_inputs, req, num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await add_all(self.engine, request_id, [ids], [params])
         job = ChatJob(self, req, request_id, len(ids), num_logprobs)
@@ -119,28 +164,33 @@ class OpenAIServer:
              "owned_by": "paged-kernels", "root": self.model_name,
              "max_model_len": self.max_model_len}]}
 
-    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
-        """POST /tokenize: the ids of exactly one of a prompt or chat messages."""
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """POST /tokenize: the ids of exactly one of a prompt or chat messages; a text that
+        cannot fit `max_model_len` by its length alone is refused (400) uncounted."""
         self.check_model(req.model)
         self.engine.check_ready()
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "tokenize: expected exactly one of 'prompt' and 'messages'")
+        ids = await self.in_worker(self._tokenize_ids, req)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    def _tokenize_ids(self, req: TokenizeRequest) -> list[int]:
         if req.messages is not None:
             chat = ChatCompletionRequest(messages=req.messages,
                                          add_generation_prompt=req.add_generation_prompt,
                                          add_special_tokens=bool(req.add_special_tokens))
-            ids = inputs.chat_prompt_ids(self.tokenizer, chat)
-        else:
-            add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=add)
-        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+            return inputs.chat_prompt_ids(self.tokenizer, chat, self.max_model_len)
+        add = True if req.add_special_tokens is None else req.add_special_tokens
+        assert req.prompt is not None
+        return inputs.prompt_ids(self.tokenizer, req.prompt, add, self.max_model_len)
 
-    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         """POST /detokenize: the text of token ids, special tokens kept."""
         self.check_model(req.model)
         self.engine.check_ready()
         ids = inputs.prompt_ids(self.tokenizer, req.tokens, False)
-        return {"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)}
+        return {"prompt": await self.in_worker(
+            functools.partial(self.tokenizer.decode, skip_special_tokens=False), ids)}
 
     def engine_stats(self) -> dict[str, Any]:
         """GET /internal/stats: the engine's last stats snapshot as a dict."""

@@ -54,6 +54,21 @@ def gguf_backend(meta: dict[str, Any]) -> tuple[BackendTokenizer, bool]:
     return backend, add_bos
 
 
+def length_bounded(meta: dict[str, Any]) -> bool:
+    """Whether each token of the tokenizer `gguf_backend(meta)` builds stands for at most as
+    many characters of the input text as its vocabulary string has. Neither kind normalizes
+    the text. "gpt2": a token's string has one character per byte it covers, and a character
+    is at least one byte; added tokens match their own text. "llama": a token's string is the
+    text it covers (" " spelled "▁", one character for one) or a byte token; this holds unless
+    a byte token is missing, since then unknown text is fused into one unknown token."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        return True
+    if kind == "llama":
+        return {f"<0x{b:02X}>" for b in range(256)} <= set(gguf_tokens(meta))
+    return False
+
+
 def gguf_tokens(meta: dict[str, Any]) -> list[str]:
     """The vocabulary, in id order."""
     return list(meta.get("tokenizer.ggml.tokens") or [])

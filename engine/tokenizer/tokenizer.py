@@ -4,17 +4,27 @@ special tokens and its chat template.
 A `Tokenizer` comes from a Hugging Face directory (`tokenizer.json` + `tokenizer_config.json`,
 read by `hf_dir`) or from a GGUF file's `tokenizer.ggml.*` metadata, rebuilt as a BPE tokenizer
 by `gguf_vocab`.
+
+`max_chars_per_token` bounds how many characters of text one token can stand for, so that a text
+of `c` characters has at least `ceil(c / max_chars_per_token)` tokens: a server refuses a prompt
+that cannot fit the model without tokenising it. Long texts are encoded without holding the GIL.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Optional
 
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.tokenizer import hf_dir
 from engine.tokenizer.chat_template import render_chat_template
-from engine.tokenizer.gguf_vocab import gguf_backend, gguf_token
+from engine.tokenizer.gguf_vocab import gguf_backend, gguf_token, length_bounded
+
+
+#: Texts longer than this are encoded with the GIL released (a thread switch costs more than
+#: encoding a shorter one).
+_GIL_FREE_CHARS = 4096
 
 
 class Tokenizer:
@@ -22,12 +32,17 @@ class Tokenizer:
 
     `encode(text, add_special_tokens=True)` adds what the model's tokenizer adds (a BOS for
     vocabularies that want one; nothing for byte-level GGUF vocabularies, as transformers does).
+    `length_bounded`: whether every token stands for at most as many characters of the text as
+    its vocabulary string has (true of the GGUF vocabularies `gguf_vocab` builds, see
+    `gguf_vocab.length_bounded`); it makes `max_chars_per_token` known.
     """
 
     def __init__(self, backend: BackendTokenizer, *, bos_token: Optional[str],
                  eos_tokens: Iterable[Optional[str]], chat_template: Optional[str],
-                 add_bos: bool = False) -> None:
+                 add_bos: bool = False, length_bounded: bool = False) -> None:
         self._tok = backend
+        self._length_bounded = length_bounded
+        self._max_chars: Optional[int] = None
         self.bos_token = bos_token
         self.bos_token_id: Optional[int] = self._id_of(bos_token)
         eos_list = [t for t in eos_tokens if t is not None]
@@ -44,11 +59,33 @@ class Tokenizer:
         """Number of ids, added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_chars_per_token(self) -> Optional[int]:
+        """The most characters of text one token stands for (the longest vocabulary string,
+        special tokens included; computed once), or None when this tokenizer has no such
+        bound (one with a normalizer, or that can fuse unknown text into one token)."""
+        if self._length_bounded and self._max_chars is None:
+            n = self.vocab_size
+            self._max_chars = max(1, max(len(self._tok.id_to_token(i) or "") for i in range(n)))
+        return self._max_chars
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` from the length of `text` alone (0 when
+        `max_chars_per_token` is None)."""
+        bound = self.max_chars_per_token
+        return 0 if bound is None else math.ceil(len(text) / bound)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special-token strings in it become their ids."""
+        """Token ids of `text`; special-token strings in it become their ids. A text of more
+        than `_GIL_FREE_CHARS` characters is encoded with the GIL released (other threads run
+        meanwhile)."""
         if not isinstance(text, str):
             raise TypeError(f"text: expected a str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _GIL_FREE_CHARS:
+            # `encode_batch` runs without the GIL; `encode` holds it throughout
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
@@ -95,7 +132,8 @@ class Tokenizer:
         backend, add_bos = gguf_backend(meta)
         eos = [gguf_token(meta, key) for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
         return cls(backend, bos_token=gguf_token(meta, "bos_token_id"), eos_tokens=eos,
-                   chat_template=meta.get("tokenizer.chat_template"), add_bos=add_bos)
+                   chat_template=meta.get("tokenizer.chat_template"), add_bos=add_bos,
+                   length_bounded=length_bounded(meta))
 
     @classmethod
     def from_hf_dir(cls, path: str, extra_eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
