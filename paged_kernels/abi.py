@@ -307,9 +307,10 @@ def _scale_tensor(arg: str, scale: object, num_kv_heads: int,
                   device: torch.device) -> torch.Tensor:
     """One scale argument as a float32 `[num_kv_heads]` tensor on `device` (host checks only)."""
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        if not math.isfinite(scale) or scale <= 0:
-            _fail(ValueError, arg, "a finite scale > 0", repr(scale))
-        return torch.full((num_kv_heads,), float(scale), dtype=torch.float32, device=device)
+        as_f32 = float(torch.tensor(float(scale), dtype=torch.float32))  # what the kernels read
+        if not math.isfinite(as_f32) or as_f32 <= 0:
+            _fail(ValueError, arg, "a finite scale > 0 (as a float32)", repr(scale))
+        return torch.full((num_kv_heads,), as_f32, dtype=torch.float32, device=device)
     if not isinstance(scale, torch.Tensor):
         _fail(TypeError, arg, "a float or a float32 tensor", type(scale).__name__)
     t: torch.Tensor = scale  # type: ignore[assignment]
