@@ -114,7 +114,8 @@ def _load(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _memory(record: dict[str, Any], warmup: float) -> dict[str, Any]:
-    """RSS at the end of the warm-up, at the end (engine idle) and its peak, in MiB."""
+    """RSS at the end of the warm-up, at the end (engine idle) and its peak, in MiB, and about
+    100 of the samples as `(seconds since the load began, MiB)`."""
     samples = [(t, rss) for t, rss in record["rss"] if rss is not None]
     after = [rss for t, rss in samples if t >= record["start"] + warmup]
     mib = 1 << 20
@@ -124,7 +125,9 @@ def _memory(record: dict[str, Any], warmup: float) -> dict[str, Any]:
             "after_warmup_mib": round(base / mib, 1) if base else None,
             "end_mib": round(end / mib, 1) if end else None,
             "peak_mib": round(max(r for _, r in samples) / mib, 1) if samples else None,
-            "growth_mib": round((end - base) / mib, 1) if base and end else None}
+            "growth_mib": round((end - base) / mib, 1) if base and end else None,
+            "samples_mib": [(round(t - record["start"], 1), round(rss / mib, 1))
+                            for t, rss in samples[::max(1, len(samples) // 100)]]}
 
 
 def _checks(record: dict[str, Any], failures: list[dict[str, Any]],
