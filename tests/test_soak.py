@@ -129,8 +129,8 @@ def test_judge_passes_a_clean_record_and_fails_each_broken_check() -> None:
 # ---------------------------------------------------------------------------- the soak
 def test_soak_passes_against_real_servers(tmp_path) -> None:
     """The CI version of `python -m bench.soak` (both preemption modes side by side). Its RSS
-    bound only catches a gross leak: in its first minutes a server's RSS grows by tens of MiB
-    as the allocator meets new batch shapes; the long run holds the real bound."""
+    bound only catches a gross leak: in its first minutes a server's RSS grows by tens of MiB,
+    faults or not, more slowly as the run goes on; the long run holds the real bound."""
     out = tmp_path / "soak"
     cmd = [sys.executable, "-m", "bench.soak", "--duration", "25", "--fault-interval", "8",
            "--num-references", "4", "--request-timeout", "40", "--rss-growth-mib", "128",

@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy prompts of the clean run")
     p.add_argument("--warmup", type=float, default=None,
                    help="seconds of load before the RSS baseline (default: 20%% of the "
-                        "duration: the allocator's caches grow for minutes as the mix of batch "
-                        "shapes widens)")
+                        "duration: a fresh server's RSS grows for minutes, faults or not, "
+                        "more slowly as the run goes on)")
     p.add_argument("--rss-growth-mib", type=float, default=64.0,
                    help="most RSS growth after the warm-up, MiB")
     p.add_argument("--integrity-interval", type=float, default=5.0,
