@@ -107,6 +107,7 @@ def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
     compiled = {(r.arch, r.name.split("(")[0].replace("void ", "")) for r in reports}
     wanted = set()
     for ctype in params.CTYPES.values():
+        wanted.add(f"pk_write_kv_quant_kernel<{ctype}>")
         for d in head_sizes:
             if ctype == "float":
                 wanted.add(f"pk_varlen_simt_kernel<{ctype}, {d}>")
@@ -117,29 +118,41 @@ def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
                            f"pk_decode_mma_kernel<{ctype}, {d}, 4>",
                            f"pk_decode_mma_kernel<{ctype}, {d}, 2>"}
         wanted.add(f"pk_decode_reduce_kernel<{ctype}>")
+    for d in head_sizes:  # 8-bit caches, every query dtype
+        wanted.add(f"pk_varlen_simt_kernel<{params.KV8_CTYPE}, {d}>")
+        wanted |= {f"pk_decode_kernel<{params.KV8_CTYPE}, {d}, {g}>" for g in planner.GROUP_TILES}
     for arch in ("sm_80", "sm_90"):
         missing = sorted(n for n in wanted if (arch, n) not in compiled)
         assert not missing, f"{arch}: not compiled: {missing}"
 
 
-def _problem(dtype, heads: tuple[int, int], q_lens, head_size: int = 128, block_size: int = 16):
-    """A checked problem on the CPU (contents do not matter for planning)."""
+def _problem(dtype, heads: tuple[int, int], q_lens, head_size: int = 128, block_size: int = 16,
+             cache_dtype=None):
+    """A checked problem on the CPU (contents do not matter for planning); `cache_dtype` an
+    8-bit cache dtype, or None for a cache of `dtype`."""
     import torch
 
     num_heads, num_kv_heads = heads
     num_seqs = 3
     tokens = num_seqs if q_lens is None else sum(q_lens)
     q = torch.zeros(tokens, num_heads, head_size, dtype=dtype)
-    cache = torch.zeros(40, num_kv_heads, block_size, head_size, dtype=dtype)
+    cache = torch.zeros(40, num_kv_heads, block_size, head_size, dtype=cache_dtype or dtype)
+    scales = {} if cache_dtype is None else {"k_scale": 1.0, "v_scale": 1.0}
     tables = torch.zeros(num_seqs, 12, dtype=torch.int32)
     seq_lens = torch.full((num_seqs,), 100, dtype=torch.int32)
     cu = None if q_lens is None else torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
                                                   dtype=torch.int32)
-    return pk.abi.check_attention_args(q, cache, cache, tables, seq_lens, cu_seqlens_q=cu)
+    return pk.abi.check_attention_args(q, cache, cache, tables, seq_lens, cu_seqlens_q=cu,
+                                       **scales)
 
 
 PLANNED = [(dtype, heads, q_lens) for dtype in ("float32", "float16", "bfloat16")
            for heads in ((4, 4), (8, 4), (6, 2), (8, 1), (64, 2)) for q_lens in (None, [5, 1, 9])]
+#: 8-bit caches: (cache dtype, query dtype, heads, q_lens); every GQA group tile, both kinds
+PLANNED_KV8 = [(cache, dtype, heads, q_lens) for cache, dtype in (("float8_e4m3fn", "bfloat16"),
+                                                                  ("int8", "float32"),
+                                                                  ("float8_e5m2", "float16"))
+               for heads in ((4, 4), (8, 4), (6, 2), (64, 2)) for q_lens in (None, [5, 1, 9])]
 #: Every kernel choice the environment can force (decode tile, synchronisation and prefetch,
 #: varlen warps), and the defaults.
 FORCED = [{}, {settings.DECODE_TILE_ENV: "32"}, {settings.DECODE_SYNC_ENV: "warp"},
@@ -166,12 +179,35 @@ def test_every_launch_a_plan_makes_is_compiled(reports, monkeypatch, env, dtype,
         assert threads in (64, planner.THREADS, 256) and min(grid) >= 1 and smem >= 0
 
 
-@pytest.mark.parametrize("dtype,kernel,ctype", [
-    ("bfloat16", "pk_decode_mma_kernel<__nv_bfloat16, 128, 4>", "__nv_bfloat16"),
-    ("float32", "pk_decode_kernel<float, 128, 4>", "float")])
-def test_jit_launches_exactly_the_planned_kernels(dtype, kernel, ctype) -> None:
+@needs_nvcc
+@pytest.mark.parametrize("cache,dtype,heads,q_lens", PLANNED_KV8)
+def test_every_launch_an_8bit_cache_plan_makes_is_compiled(reports, cache, dtype, heads,
+                                                           q_lens) -> None:
+    """An 8-bit cache plans the SIMT kernels (their PkKv8 instantiations, the reduce kernel of
+    the query's dtype) whatever the query's dtype, and they are compiled."""
+    import torch
+
+    compiled = {r.name.split("(")[0].replace("void ", "") for r in reports}
+    problem = _problem(getattr(torch, dtype), heads, q_lens, cache_dtype=getattr(torch, cache))
+    plan = planner.plan_attention(problem, num_sms=132)
+    values = params.unpack("attn", params.pack("attn", launch.attn_values(
+        problem, plan, problem.query, problem.key_cache, problem.value_cache, problem.out, None)))
+    assert values["kv_dtype"] == params.KV_DTYPE_CODES[problem.key_cache.dtype]
+    assert values["k_scale"] == problem.k_scale.data_ptr()
+    launches = launch.attention_launches(values)
+    assert launches[0][0].startswith(("pk_decode_kernel<PkKv8,", "pk_varlen_simt_kernel<PkKv8,"))
+    for name, grid, threads, smem in launches:
+        assert name in compiled, f"{name} is launched by the plan but not compiled"
+        assert threads == planner.THREADS and min(grid) >= 1 and smem >= 0
+
+
+@pytest.mark.parametrize("dtype,kernel,ctype,cache", [
+    ("bfloat16", "pk_decode_mma_kernel<__nv_bfloat16, 128, 4>", "__nv_bfloat16", None),
+    ("float32", "pk_decode_kernel<float, 128, 4>", "float", None),
+    ("bfloat16", "pk_decode_kernel<PkKv8, 128, 4>", "__nv_bfloat16", "float8_e4m3fn")])
+def test_jit_launches_exactly_the_planned_kernels(dtype, kernel, ctype, cache) -> None:
     """jit.JitModule's dispatch, without CuPy or a GPU: the launches it would make (16-bit
-    decode on the mma kernel, float32 on the SIMT one)."""
+    decode on the mma kernel, float32 and 8-bit caches on the SIMT one)."""
     import torch
 
     from cuda.paged_cuda import jit
@@ -180,7 +216,8 @@ def test_jit_launches_exactly_the_planned_kernels(dtype, kernel, ctype) -> None:
     calls = []
     module._run = lambda header, name, grid, threads, smem, stream, params: calls.append(
         (header, name, grid, smem))
-    problem = _problem(getattr(torch, dtype), (32, 8), None)
+    problem = _problem(getattr(torch, dtype), (32, 8), None,
+                       cache_dtype=getattr(torch, cache) if cache else None)
     plan = planner.plan_attention(problem, num_sms=132)
     values = launch.attn_values(problem, plan, problem.query, problem.key_cache,
                               problem.value_cache, problem.out, None)
@@ -216,6 +253,25 @@ def test_jit_launches_the_forced_kernel_choices(monkeypatch, env, kernel, thread
     module.paged_attention(params.pack("attn", values), 0)
     header = "pk_decode.cuh" if decode else "pk_varlen.cuh"
     assert calls[0] == (header, kernel, threads)
+
+
+def test_jit_write_kv_dispatch() -> None:
+    """jit.JitModule's write_kv: the byte copy for a float cache, the quantising kernel of the
+    rows' dtype for an 8-bit one."""
+    import torch
+
+    from cuda.paged_cuda import jit
+
+    module = jit.JitModule.__new__(jit.JitModule)
+    calls = []
+    module._run = lambda header, name, *rest: calls.append((header, name))
+    key = torch.zeros(3, 2, 64, dtype=torch.float16)
+    for cache_dtype, scale in ((torch.float16, None), (torch.int8, torch.ones(2))):
+        cache = torch.zeros(4, 2, 16, 64, dtype=cache_dtype)
+        launch.write_kv(module, key, key, cache, cache, torch.zeros(3, dtype=torch.int64), 0,
+                        scale, scale)
+    assert calls == [("pk_cache.cuh", "pk_write_kv_kernel<uint4>"),
+                     ("pk_cache.cuh", "pk_write_kv_quant_kernel<__half>")]
 
 
 NVRTC_ENV = "PK_NVRTC_LIB"
@@ -273,12 +329,24 @@ def _nvrtc_compile(lib: ctypes.CDLL, include: str, header: str, names: list[str]
                     f"or set {NVRTC_ENV}) to check the run-time (NVRTC) path's sources")
 def test_jit_sources_compile_with_nvrtc(monkeypatch) -> None:
     """Every instantiation the planner can launch (defaults and every forced kernel choice, every
-    dtype and head size, decode and varlen) compiles with NVRTC for sm_80 and sm_90 from the
-    header jit.JitModule includes. Compile only: CuPy and a GPU are not needed."""
+    dtype and head size, decode and varlen; 8-bit caches at head sizes 64 and 128, and the
+    write_kv kernels) compiles with NVRTC for sm_80 and sm_90 from the header jit.JitModule
+    includes. Compile only: CuPy and a GPU are not needed."""
     import torch
 
     lib, include = _nvrtc()
-    names: dict[str, set[str]] = {}
+    names: dict[str, set[str]] = {"pk_cache.cuh": {"pk_write_kv_kernel<uint4>",
+                                                   "pk_write_kv_quant_kernel<__nv_bfloat16>"}}
+
+    def add_launches(problem) -> None:
+        plan = planner.plan_attention(problem, num_sms=132)
+        values = params.unpack("attn", params.pack("attn", launch.attn_values(
+            problem, plan, problem.query, problem.key_cache, problem.value_cache, problem.out,
+            None)))
+        for name, *_ in launch.attention_launches(values):
+            header = "pk_decode.cuh" if name.startswith("pk_decode") else "pk_varlen.cuh"
+            names.setdefault(header, set()).add(name)
+
     for env in FORCED:
         for name in settings.PLAN_ENVS:
             monkeypatch.delenv(name, raising=False)
@@ -287,15 +355,11 @@ def test_jit_sources_compile_with_nvrtc(monkeypatch) -> None:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for d in params.HEAD_SIZES:
                 for q_lens in (None, [5, 1, 9]):
-                    problem = _problem(dtype, (8, 2), q_lens, head_size=d)
-                    plan = planner.plan_attention(problem, num_sms=132)
-                    values = params.unpack("attn", params.pack("attn", launch.attn_values(
-                        problem, plan, problem.query, problem.key_cache, problem.value_cache,
-                        problem.out, None)))
-                    for name, *_ in launch.attention_launches(values):
-                        header = "pk_decode.cuh" if name.startswith("pk_decode") else \
-                            "pk_varlen.cuh"
-                        names.setdefault(header, set()).add(name)
+                    add_launches(_problem(dtype, (8, 2), q_lens, head_size=d))
+    for d in params.REDUCED_HEAD_SIZES:
+        for q_lens in (None, [5, 1, 9]):
+            add_launches(_problem(torch.bfloat16, (8, 2), q_lens, head_size=d,
+                                  cache_dtype=torch.float8_e4m3fn))
     assert sum(len(n) for n in names.values()) > 70
     for arch in ("80", "90"):
         for header, wanted in names.items():

@@ -25,6 +25,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert {"reference", "torch-sdpa"} <= backends
     assert all(r.get("rel_err_vs_sdpa", 0) < 1e-5 for r in rows if r["backend"] == "reference")
     assert (tmp_path / "kernels.json").exists()
+    kv8 = result["kv8"]  # decode over a float8_e4m3fn cache, checked against SDPA
+    assert kv8 and all(r["backend"] == "reference" and r["rel_err_vs_sdpa"] < 1e-5 for r in kv8)
+    assert "## Decode over a float8_e4m3fn KV cache" in (tmp_path / "report.md").read_text()
     last = (tmp_path / "report.md").read_text().rstrip().splitlines()[-3:]
     assert last[-1] == "```" and all(len(line) <= 80 for line in last)
     # every planner setting tune_decode times had its kernels' conformance run (cuda-host here)

@@ -6,11 +6,12 @@ leaves one): 1. environment; 2. build the CUDA extension (else the backend compi
 through CuPy); 3. the conformance suite natively, every backend; 4. bench.kernels: the device's
 copy bandwidth and matmul rate, then decode at the headline shapes (batch 1/32/128 x context
 1k/4k/16k, head size 128, 32 query heads over 8 KV heads, bf16), prefill, a mixed batch and
-write_kv per fast backend, next to SDPA on contiguous K/V; 5. FlexAttention over the paged cache;
-6. bench.tune_decode: the CUDA planner's opt-in settings timed next to the defaults, and the rule
-of cuda/paged_cuda/tune_verdict.py applied (tuning.py); 7. each of those settings' native
-conformance and the CUDA-graph custom-op test; 8. report.md, report.json, kernels.json and the
-GB/s plot, the report ending in a short table.
+write_kv per fast backend, next to SDPA on contiguous K/V; 5. FlexAttention over the paged cache,
+and decode over a float8_e4m3fn KV cache at the same decode shapes per backend, GB/s counted in
+the bytes actually read (kv8_decode.py); 6. bench.tune_decode: the CUDA planner's opt-in settings
+timed next to the defaults, and the rule of cuda/paged_cuda/tune_verdict.py applied (tuning.py);
+7. each of those settings' native conformance and the CUDA-graph custom-op test; 8. report.md,
+report.json, kernels.json and the GB/s plot, the report ending in a short table.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench import kernels
-from bench.gpu_check import report, tuning
+from bench.gpu_check import kv8_decode, report, tuning
 from bench.gpu_check.logged import run_logged
 from bench.timing import median_seconds
 
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ("conformance", lambda: conformance(args.out, within(cfg["conformance_timeout"]),
                                             args.cpu_smoke, env)),
         ("bench", lambda: measure(cfg, device, args.out)),
+        ("kv8", lambda: kv8_decode.rows(cfg, device, result["bench"], deadline - 150)),
         ("tune", lambda: tuning.tune(args.out, deadline - 75, args.cpu_smoke, env)),
         ("settings", lambda: tuning.settings_conformance(args.out, deadline - 15,
                                                          args.cpu_smoke, env)),

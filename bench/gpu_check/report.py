@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 
+from bench.gpu_check import kv8_decode
 from cuda.paged_cuda import tune_verdict
 
 BACKEND_ID = re.compile(r"[\[-](cuda-host|cuda|triton|reference)(?=[-\]])")
@@ -176,6 +177,9 @@ def markdown(result: dict) -> str:
         if bench.get("flex"):
             out += ["## FlexAttention over the paged cache", "", *_bench_table(bench["flex"]),
                     ""]
+    if result.get("kv8") is not None:
+        out += ["## Decode over a float8_e4m3fn KV cache (bytes counted as read: 1 per K/V "
+                "element)", "", *kv8_decode.table(result["kv8"]), ""]
     out += _tuning_sections(result)
     summary = _short_table(bench["results"]) if bench is not None else []
     tune = result.get("tune") or {}
