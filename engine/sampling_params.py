@@ -126,7 +126,7 @@ class SamplingParams:
             if not isinstance(ids, (list, tuple, set)) or not all(
                     _is_int(i) and i >= 0 for i in ids):
                 _fail("stop_token_ids", "None or a list of ints >= 0", ids)
-            self.stop_token_ids = list(ids)
+            self.stop_token_ids = list(dict.fromkeys(ids))  # repeats would only slow each check
 
     @property
     def greedy(self) -> bool:
