@@ -45,6 +45,7 @@ def create_app(server: OpenAIServer, api_key: Optional[str] = None,
         server.engine.start(asyncio.get_running_loop())
         yield
         server.engine.shutdown()
+        server.close()
 
     # The OpenAPI schema of the routes below, as vLLM serves it (clients and fuzzers read it); no
     # Swagger/ReDoc pages, which load their scripts from a CDN.
