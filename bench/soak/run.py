@@ -147,15 +147,18 @@ def _spec_record(spec: workload.Spec) -> dict[str, Any]:
 async def inject_faults(rng: random.Random, deadline: float, http: httpx.AsyncClient,
                         oai: openai.AsyncOpenAI, cfg: SoakConfig,
                         record: dict[str, Any]) -> None:
-    """Arms a fault at random times (gaps drawn uniformly from 0.75-1.25 x `fault_interval`),
-    the kinds in turn, each on the path of one victim request: a prompt that starts with fresh
-    random token ids, sent right after arming. The victim must get a clear error."""
+    """Arms a fault at random times (gaps drawn uniformly from 0.75-1.25 x `fault_interval`,
+    whatever the victims' latency), the kinds in turn, each on the path of one victim request:
+    a prompt that starts with fresh random token ids, sent right after arming. The victim must
+    get a clear error."""
     kinds = itertools.cycle(FAULT_KINDS)
+    victims = []
+    due = time.time()
     while True:
-        wait = cfg.fault_interval * rng.uniform(0.75, 1.25)
-        if time.time() + wait > deadline - 2.0:
-            return
-        await asyncio.sleep(wait)
+        due += cfg.fault_interval * rng.uniform(0.75, 1.25)
+        if due > deadline - 2.0:
+            break
+        await asyncio.sleep(max(0.0, due - time.time()))
         kind = next(kinds)
         marker = [rng.randrange(1000, 40000) for _ in range(8)]
         fault: dict[str, Any] = {"kind": kind, "prompt_prefix": marker, "armed_at": time.time()}
@@ -165,14 +168,20 @@ async def inject_faults(rng: random.Random, deadline: float, http: httpx.AsyncCl
             fault["arm_status"] = arm.status_code
         except httpx.TransportError as exc:
             fault["arm_status"], fault["arm_error"] = None, f"{type(exc).__name__}: {exc}"
-        if fault["arm_status"] != 200:
-            continue
-        spec = workload.Spec("victim", "completion", "httpx",
-                             {"model": record["model"], "prompt": marker + [17, 42, 7],
-                              "max_tokens": 8, "stream": rng.random() < 0.5})
-        result = await clients.send(spec, http, oai, cfg.request_timeout)
-        fault["victim"] = len(record["results"])
-        record["results"].append({"spec": _spec_record(spec), "result": asdict(result)})
+        if fault["arm_status"] == 200:
+            spec = workload.Spec("victim", "completion", "httpx",
+                                 {"model": record["model"], "prompt": marker + [17, 42, 7],
+                                  "max_tokens": 8, "stream": rng.random() < 0.5})
+            victims.append(asyncio.create_task(_send_victim(spec, fault, http, oai, cfg,
+                                                            record)))
+    await asyncio.gather(*victims)
+
+
+async def _send_victim(spec: workload.Spec, fault: dict[str, Any], http: httpx.AsyncClient,
+                       oai: openai.AsyncOpenAI, cfg: SoakConfig, record: dict[str, Any]) -> None:
+    result = await clients.send(spec, http, oai, cfg.request_timeout)
+    fault["victim"] = len(record["results"])
+    record["results"].append({"spec": _spec_record(spec), "result": asdict(result)})
 
 
 async def _sample_rss(server: SoakServer, out: list[tuple[float, Optional[int]]],
