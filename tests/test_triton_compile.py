@@ -1,6 +1,8 @@
 """The native (non-interpreter) path compiles: every kernel is compiled ahead of time for sm_90
 (Hopper) without a GPU, in a subprocess without TRITON_INTERPRET, and the main configurations of
-the launch table use no local-memory stack (register spills).
+the launch table use no local-memory stack (register spills); so do the attention kernels over
+fp8/int8 caches and the quantising write_kv, whose fp8 loads and stores must compile to the
+native conversions (no interpreter workaround on this path).
 
 The interpreter runs the kernels' Python, not Triton's compiler, so it misses what only the
 compiler rejects (a non-constexpr global, a type mismatch in a loop-carried value). On a machine
@@ -56,13 +58,14 @@ def compile_kernel(fn, types, consts, num_warps, num_stages):
     return {"stack": stack, "shared": k.metadata.shared}
 
 
-def attention(mode, head, dt, feats):
-    cfg = configs.launch_config(mode, head, 16, DT[dt])
+def attention(mode, head, dt, feats, cache=None):
+    cfg = configs.launch_config(mode, head, 16, DT[dt], torch.int8 if cache else None)
     flags = dict(HEAD_SIZE=head, HEAD_PAD=configs.padded_head_size(head), BLOCK_SIZE=16,
                  TILE_N=cfg.tile_n, USE_WINDOW=feats, USE_SOFT_CAP=feats, USE_ALIBI=feats,
-                 HAS_LSE=feats, IEEE=dt == "fp32", UPCAST=False)
+                 HAS_LSE=feats, IEEE=dt == "fp32", UPCAST=False, KV_SCALED=cache is not None)
     types = {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_ptr": "*i32", "slopes_ptr": "*fp32",
-             "lse_ptr": "*fp32", "scale": "fp32", "soft_cap": "fp32"}
+             "lse_ptr": "*fp32", "scale": "fp32", "soft_cap": "fp32",
+             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     if mode == "decode":
         fn = decode._decode_kernel
         consts = dict(GROUP=4, GROUP_PAD=16, PARTIAL=feats, **flags)
@@ -71,9 +74,23 @@ def attention(mode, head, dt, feats):
         fn = unified._varlen_kernel
         consts = dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_m // 4, **flags)
         types["out_ptr"] = "*" + dt
-    for name in ("q_ptr", "k_ptr", "v_ptr"):
-        types[name] = "*" + dt
+    types["q_ptr"] = "*" + dt
+    for name in ("k_ptr", "v_ptr"):
+        types[name] = "*" + (cache or dt)
     return compile_kernel(fn, types, consts, cfg.num_warps, cfg.num_stages)
+
+
+def write(cache, quant):
+    dtype = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2, "i8": torch.int8,
+             "bf16": torch.bfloat16}[cache]
+    _, max_finite, mantissa, min_exp = write_kv._FORMATS.get(dtype, (0, 0.0, 0, 0))
+    return compile_kernel(
+        write_kv._write_kv_kernel,
+        {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*" + cache,
+         "v_cache_ptr": "*" + cache, "slots_ptr": "*i64", "num_slots": "i64",
+         "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"},
+        dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, QUANT=quant,
+             MAX_FINITE=max_finite, MANTISSA=mantissa, MIN_EXP=min_exp, NAN_STAND_IN=0.0), 4, 1)
 
 
 results = {}
@@ -81,14 +98,15 @@ for mode in ("decode", "varlen"):
     for head, dt, feats in ((128, "bf16", True), (128, "bf16", False), (128, "fp32", True),
                             (256, "bf16", False), (80, "fp32", False)):
         results[f"{mode}-{head}-{dt}-{feats}"] = attention(mode, head, dt, feats)
+    for head, dt, cache in ((128, "bf16", "fp8e4nv"), (128, "fp32", "i8"), (256, "fp32", "i8"),
+                            (256, "bf16", "fp8e5")):
+        results[f"{mode}-{head}-{dt}-{cache}"] = attention(mode, head, dt, True, cache)
 results["reduce"] = compile_kernel(
     decode._reduce_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                             "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32"},
     dict(HEAD_SIZE=128, HEAD_PAD=128, TILE_N=64, USE_WINDOW=True, HAS_LSE=True), 2, 1)
-results["write_kv"] = compile_kernel(
-    write_kv._write_kv_kernel, {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16",
-                                "v_cache_ptr": "*bf16", "slots_ptr": "*i64", "num_slots": "i64"},
-    dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16), 4, 1)
+for cache, quant in (("bf16", 0), ("fp8e4nv", 1), ("fp8e5", 1), ("i8", 2)):
+    results[f"write_kv-{cache}"] = write(cache, quant)
 print(json.dumps(results))
 '''
 
@@ -107,7 +125,7 @@ def compiled() -> dict:
 
 
 def test_every_kernel_compiles_for_sm90(compiled: dict) -> None:
-    assert len(compiled) == 12
+    assert len(compiled) == 23
     for name, info in compiled.items():
         assert info["shared"] <= 228 * 1024, name  # an H100/H200 SM's shared memory
 

@@ -12,6 +12,7 @@ No autotuning: the interpreter must not autotune, and a fixed table keeps result
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -86,9 +87,20 @@ def set_override(mode: Mode, head_size: int, block_size: int, dtype: torch.dtype
 
 
 @functools.lru_cache(maxsize=256)
-def launch_config(mode: Mode, head_size: int, block_size: int, dtype: torch.dtype) -> LaunchConfig:
+def launch_config(mode: Mode, head_size: int, block_size: int, dtype: torch.dtype,
+                  kv_cache_dtype: Optional[torch.dtype] = None) -> LaunchConfig:
     """The configuration for a kernel launch; ValueError for a mode or head size outside the table.
+    `kv_cache_dtype`: the cache's dtype when it differs from the query's `dtype` (8-bit): a
+    float32 launch over one runs a single stage (two spill on sm_90: 216 bytes in the varlen
+    kernel at head size 128, 3120 in the decode kernel at 256; tests/test_triton_compile.py).
     Cached: it runs on the host before every launch."""
+    config = _lookup(mode, head_size, block_size, dtype)
+    if dtype == torch.float32 and kv_cache_dtype not in (None, dtype):
+        config = dataclasses.replace(config, num_stages=1)
+    return config
+
+
+def _lookup(mode: Mode, head_size: int, block_size: int, dtype: torch.dtype) -> LaunchConfig:
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     exact = _OVERRIDES.get((mode, head_size, block_size, dtype))

@@ -229,7 +229,8 @@ def _reduce_kernel(
 def paged_decode(p: AttentionProblem) -> None:
     """Decode attention for a checked problem with `cu_seqlens_q is None`; fills p.out (and
     p.lse)."""
-    cfg = configs.launch_config("decode", p.head_size, p.block_size, p.query.dtype)
+    cfg = configs.launch_config("decode", p.head_size, p.block_size, p.query.dtype,
+                                p.key_cache.dtype)
     head_pad = configs.padded_head_size(p.head_size)
     split_size, num_splits = plan_splits(p, cfg.tile_n)
     group = p.num_queries_per_kv

@@ -105,7 +105,8 @@ def _varlen_kernel(
 
 def paged_varlen(p: AttentionProblem) -> None:
     """Attention for a checked problem with `cu_seqlens_q`; fills p.out (and p.lse)."""
-    cfg = configs.launch_config("varlen", p.head_size, p.block_size, p.query.dtype)
+    cfg = configs.launch_config("varlen", p.head_size, p.block_size, p.query.dtype,
+                                p.key_cache.dtype)
     group = p.num_queries_per_kv
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
