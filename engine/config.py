@@ -55,8 +55,8 @@ class EngineConfig:
     - `kv_cache_dtype`: the KV cache's storage, vLLM's names: "auto" (the model's dtype),
       "fp8" / "fp8_e4m3" (float8 e4m3fn), "fp8_e5m2" or "int8"; an 8-bit cache holds twice the
       blocks of a 16-bit one in the same `kv_cache_memory_bytes`. Its scales (per layer, per KV
-      head) come from the model file, else from `calculate_kv_scales` (calibrated on the first
-      step's K/V), else 1.0 for fp8 (engine/kv_scales.py).
+      head) come from the model file, else from `calculate_kv_scales` (calibrated on a built-in
+      prompt when the engine is built), else 1.0 for fp8 (engine/kv_scales.py).
     """
 
     block_size: int = 16

@@ -8,14 +8,16 @@ float32 `[num_kv_heads]` on the cache's device, where they come from, in this or
 1. the model file (`LlamaForCausalLM.kv_scales_from_file`, read from a Hugging Face checkpoint's
    `self_attn.k_scale` / `v_scale` tensors), for fp8 caches: such scales map the layer's
    largest value to e4m3's 448, beyond int8's range, so an int8 cache calibrates instead;
-2. calibration (`calculate_kv_scales`, on by default): at the first forward step the layer runs
-   (the first prefill, or its first chunk, with every prompt scheduled in that step), before
-   that step's K/V are written, `scale[h] = amax(|x[:, h, :]|) / format_max`, per layer and KV
-   head, over the step's tokens (after rotary for K); format_max is 448 for e4m3, 57344 for
-   e5m2 and 127 for int8 (symmetric). The scales are then fixed: a later prompt with larger
-   values saturates (fp8 to +-format_max, int8 to [-128, 127]). vLLM's on-the-fly calibration
-   differs: one scale per tensor, amax over fixed constants (200 for K, 100 for V) that leave
-   headroom;
+2. calibration (`calculate_kv_scales`, on by default): the engine runs one calibration prompt
+   when it is built (`calibration_prompt_ids`: a chat rendered by the model's template, with
+   prose, code and numbers, cut to what one step and the KV pool hold), so the scales depend
+   neither on the first client's prompt nor on a server's warm-up request. At that first
+   forward step, before its K/V are written, `scale[h] = amax(|x[:, h, :]|) / format_max`, per
+   layer and KV head, over the step's tokens (after rotary for K); format_max is 448 for e4m3,
+   57344 for e5m2 and 127 for int8 (symmetric). The scales are then fixed: a later prompt with
+   larger values saturates (fp8 to +-format_max, int8 to [-128, 127]). vLLM's on-the-fly
+   calibration differs: one scale per tensor, on the first batch, amax over fixed constants
+   (200 for K, 100 for V) that leave headroom;
 3. 1.0 for fp8 (calibration off and no scales in the file); an int8 cache needs scales from 1
    or 2 (ValueError).
 
@@ -25,12 +27,12 @@ on the device without reading any value back (no synchronisation).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
 __all__ = ["KV_CACHE_DTYPES", "FORMAT_MAX", "LayerKVScales", "kv_cache_dtype", "is_quantized",
-           "file_scales_from", "make_kv_scales"]
+           "file_scales_from", "make_kv_scales", "calibration_prompt_ids"]
 
 #: The engine's `kv_cache_dtype` names (vLLM's, plus "int8") -> the cache dtype (None: the
 #: model's dtype). "fp8" is e4m3, as in vLLM.
@@ -151,3 +153,38 @@ def make_kv_scales(cache_dtype: torch.dtype, num_layers: int, num_kv_heads: int,
             v = torch.ones(num_kv_heads, dtype=torch.float32, device=device)
         scales.append(LayerKVScales(k, v, source, fmax))
     return scales
+
+
+#: The calibration conversation: what a served model sees (a system prompt, questions, prose,
+#: code, numbers and punctuation), rendered by the model's chat template when it has one.
+CALIBRATION_MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant. Answer clearly and briefly."},
+    {"role": "user", "content": "What is the capital of France, and how many people live there? "
+                                "Also write a Python function that returns the n-th Fibonacci "
+                                "number."},
+    {"role": "assistant", "content": (
+        "The capital of France is Paris. About 2.1 million people live in the city itself and "
+        "roughly 12 million in its metropolitan area (2023 estimates).\n\n```python\n"
+        "def fibonacci(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n"
+        "        a, b = b, a + b\n    return a\n```\n\nFor example, fibonacci(10) == 55. The "
+        "loop runs in O(n) time and O(1) memory.")},
+    {"role": "user", "content": "Thanks! Summarise the history of the printing press in three "
+                                "sentences, then list 3 prime numbers above 100."},
+    {"role": "assistant", "content": (
+        "Johannes Gutenberg built a movable-type printing press in Mainz around 1440. Printed "
+        "books spread quickly across Europe: by 1500 presses in more than 200 cities had "
+        "produced millions of copies. Cheap books fed the Renaissance, the Reformation and "
+        "the Scientific Revolution.\n\nThree primes above 100: 101, 103 and 107.")},
+]
+
+
+def calibration_prompt_ids(tokenizer: Any, max_tokens: int) -> list[int]:
+    """The token ids of `CALIBRATION_MESSAGES` (rendered by `tokenizer`'s chat template, or
+    joined as plain text when it has none), cut to at most `max_tokens` (>= 1)."""
+    try:
+        text = tokenizer.apply_chat_template(CALIBRATION_MESSAGES, add_generation_prompt=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    except ValueError:  # no chat template
+        text = "\n\n".join(m["content"] for m in CALIBRATION_MESSAGES)
+        ids = tokenizer.encode(text, add_special_tokens=True)
+    return list(ids[:max(1, max_tokens)])

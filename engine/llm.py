@@ -43,7 +43,7 @@ class LLM:
     or a contiguous-reservation baseline: "reserve-max", "reserve-pow2", "reserve-oracle"; see
     engine/kv_allocation.py), `kv_cache_dtype` ("auto" = the model's dtype, "fp8" /
     "fp8_e4m3", "fp8_e5m2" or "int8": an 8-bit cache with per-layer, per-KV-head scales from the
-    model file, else calibrated on the first step when `calculate_kv_scales`, else 1.0 for fp8;
+    model file, else calibrated on a built-in prompt when `calculate_kv_scales`, else 1.0 for fp8;
     engine/kv_scales.py). `kv_fill` (a testing aid) fills the KV cache with a value such as
     NaN (for an int8 cache, a value in [-128, 127]).
     """

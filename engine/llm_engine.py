@@ -22,7 +22,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
 from engine.kv_allocation import reserved_tokens, resolved_max_tokens
-from engine.kv_scales import kv_cache_dtype, make_kv_scales
+from engine.kv_scales import calibration_prompt_ids, kv_cache_dtype, make_kv_scales
 from engine.kv_cache_manager import KVCacheManager
 from engine.model.loader import LoadedModel, load_model
 from engine.outputs import CompletionOutput, RequestOutput
@@ -75,6 +75,29 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids)
         self._seq_ids = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
+        self._calibrate_kv_scales()
+
+    def _calibrate_kv_scales(self) -> None:
+        """Runs `kv_scales.calibration_prompt_ids` through the model (one prefill step, one
+        token, then freed, the prefix cache emptied) when the cache's scales wait for
+        calibration. A pool or reservation too small for any calibration prompt leaves them
+        to the first step."""
+        scales = self.kv_cache.scales
+        if not scales or not any(s.pending for s in scales):
+            return
+        cfg, kvm = self.config, self.kv_cache_manager
+        room = min(cfg.max_num_batched_tokens, self.max_model_len - 1,
+                   kvm.num_blocks * cfg.block_size - 1)
+        ids = calibration_prompt_ids(self.tokenizer, room)
+        request_id = "__kv_scale_calibration__"
+        try:
+            self.add_request(request_id, ids, SamplingParams(max_tokens=1, temperature=0.0,
+                                                             ignore_eos=True))
+        except ValueError:
+            return
+        while self.has_unfinished_requests():
+            self.step()
+        kvm.reset_prefix_cache()
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

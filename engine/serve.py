@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any, Optional, Sequence
 
-from engine.config import KV_ALLOCATIONS, QUANTIZATION_MODES
+from engine.config import KV_ALLOCATIONS, KV_CACHE_DTYPES, QUANTIZATION_MODES
 from engine.server import access, connections, limits, shutdown
 
 #: Environment variable read when no flag gives the API key (then vLLM's VLLM_API_KEY).
@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "reserve-oracle: the vLLM paper's contiguous-reservation baselines (a "
                         "request reserves max_model_len, the next power of two of prompt + "
                         "max_tokens, or exactly that, at admission; no prefix caching, n = 1)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache storage: auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2 or "
+                        "int8 (twice the tokens per byte; scales per layer and KV head from the "
+                        "model file, else calibrated on the first step; docs/kv-quant.md)")
+    p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=True,
+                   help="calibrate an 8-bit cache's scales on the first step when the model file "
+                        "has none (off: 1.0 for fp8; int8 then needs scales in the file)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="refuse (429) new requests while this many already wait")
     p.add_argument("--max-request-bytes", type=parse_size, default=4 << 20,
@@ -133,7 +140,8 @@ def engine_builder(args: argparse.Namespace) -> Any:
             enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
             backend=args.backend, quantization=args.quantization,
-            kv_allocation=args.kv_allocation)
+            kv_allocation=args.kv_allocation, kv_cache_dtype=args.kv_cache_dtype,
+            calculate_kv_scales=args.calculate_kv_scales)
         dtype = getattr(torch, _DTYPES[args.dtype])
         engine = LLMEngine(args.model, dtype=dtype, config=config)
         _log_engine(engine)
@@ -153,12 +161,14 @@ def _log_engine(engine: Any) -> None:
     kvm = engine.kv_cache_manager
     logger.info("model %s (%s), dtype %s, backend %s, %d KV blocks of %d tokens (%d tokens), "
                 "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix caching "
-                "%s, preemption %s, KV allocation %s, quantization %s", engine.loaded.name,
+                "%s, preemption %s, KV allocation %s, KV cache %s, quantization %s",
+                engine.loaded.name,
                 engine.loaded.path, str(engine.dtype).replace("torch.", ""), backend,
                 kvm.num_blocks, cfg.block_size, kvm.num_blocks * cfg.block_size,
                 engine.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                 "on" if kvm.enable_prefix_caching else "off", cfg.preemption_mode,
-                cfg.kv_allocation, engine.loaded.quantization)
+                cfg.kv_allocation, str(engine.kv_cache_dtype).replace("torch.", ""),
+                engine.loaded.quantization)
 
 
 def check_args(args: argparse.Namespace) -> tuple[limits.ServerLimits,

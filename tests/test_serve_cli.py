@@ -69,6 +69,28 @@ def test_kv_allocation_reaches_the_engine_config(argv, policy, monkeypatch):
     assert built[0].kv_allocation == policy
 
 
+@pytest.mark.parametrize("argv, cache_dtype, calibrate", [
+    ([], "auto", True),
+    (["--kv-cache-dtype", "fp8"], "fp8", True),
+    (["--kv-cache-dtype", "int8", "--no-calculate-kv-scales"], "int8", False)])
+def test_kv_cache_dtype_reaches_the_engine_config(argv, cache_dtype, calibrate, monkeypatch):
+    import engine.llm_engine
+    import engine.serve
+
+    built = []
+    monkeypatch.setattr(engine.llm_engine, "LLMEngine",
+                        lambda model, dtype, config: built.append(config) or config)
+    monkeypatch.setattr(engine.serve, "_log_engine", lambda engine: None)
+    engine_builder(build_parser().parse_args(argv))()
+    assert (built[0].kv_cache_dtype, built[0].calculate_kv_scales) == (cache_dtype, calibrate)
+
+
+def test_kv_cache_dtype_rejects_an_unknown_name(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-cache-dtype", "fp4"])
+    assert "--kv-cache-dtype" in capsys.readouterr().err
+
+
 def test_served_names():
     assert served_names(None, None) == ["SmolLM2-135M-Instruct"]
     assert served_names("/x/tiny.gguf", None) == ["tiny", "/x/tiny.gguf"]
