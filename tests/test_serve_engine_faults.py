@@ -31,6 +31,8 @@ from engine.server import async_engine
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import APIError
 from engine.server.metrics import ServerMetrics
+from engine.server.protocol import CompletionRequest
+from engine.server.routes import OpenAIServer
 
 
 class Fault(BaseException):
@@ -76,6 +78,9 @@ class FakeEngine:
 
     class tokenizer:
         bos_token_id = 1
+        vocab_size = 100
+
+    max_model_len = 64
 
     def __init__(self) -> None:
         self.groups: dict[str, _Group] = {}
@@ -199,6 +204,13 @@ def test_base_exception_kills_the_thread_and_the_supervisor_restarts_it(monkeypa
         with pytest.raises(APIError) as info:  # before the supervisor's next look
             engine.check_ready()
         assert info.value.status == 503
+        engine.check_loaded()  # the model is there: a request can still be checked
+        server = OpenAIServer(engine, ["fake"])
+        bad = CompletionRequest(prompt=[FakeEngine.tokenizer.vocab_size], max_tokens=1)
+        with pytest.raises(APIError) as info:  # a bad request is a 400 whatever the loop
+            await server.completions(bad, None)  # type: ignore[arg-type]
+        assert (info.value.status, info.value.param) == (400, "prompt")
+        server.close()
         for stream in streams:
             await _expect_500(stream)
         assert engine._thread is not dead and engine._thread.is_alive()

@@ -209,12 +209,17 @@ class AsyncEngine:
         self._thread = self._spawn(self._recover)
 
     # ------------------------------------------------------------- client side
-    def check_ready(self) -> None:
-        """Raises a 503 APIError unless the engine is built and its loop alive."""
+    def check_loaded(self) -> None:
+        """Raises a 503 APIError unless the engine is built (its model, tokenizer and limits
+        can be used to check a request, whether or not its loop is running)."""
         if self.load_error is not None:
             raise APIError(503, "the model failed to load; see the server log")
         if not self._ready.is_set():
             raise APIError(503, "the server is starting (loading the model); retry shortly")
+
+    def check_ready(self) -> None:
+        """Raises a 503 APIError unless the engine is built and its loop alive."""
+        self.check_loaded()
         if self._thread is not None and not self._thread.is_alive():
             raise APIError(503, "the engine loop has stopped and is being restarted; see the "
                            "server log")

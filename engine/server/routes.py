@@ -97,10 +97,11 @@ class OpenAIServer:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def check_cheap_bounds(self, req: Any) -> None:
-        """The model name, readiness and `limits`: checks that cost nothing, made on the
-        event loop before any heavy work."""
+        """The model name, a loaded model and `limits`: checks that cost nothing, made on the
+        event loop before any heavy work. A loop being restarted is only a 503 when the
+        request is added (a bad request is a 400 whatever the loop's state)."""
         self.check_model(req.model)
-        self.engine.check_ready()
+        self.engine.check_loaded()
         inputs.check_stop(req.stop, self.limits)
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
@@ -158,7 +159,7 @@ class OpenAIServer:
 
     def models(self) -> dict[str, Any]:
         """GET /v1/models: the one served model."""
-        self.engine.check_ready()
+        self.engine.check_loaded()
         return {"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created,
              "owned_by": "paged-kernels", "root": self.model_name,
@@ -168,7 +169,7 @@ class OpenAIServer:
         """POST /tokenize: the ids of exactly one of a prompt or chat messages; a text that
         cannot fit `max_model_len` by its length alone is refused (400) uncounted."""
         self.check_model(req.model)
-        self.engine.check_ready()
+        self.engine.check_loaded()
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "tokenize: expected exactly one of 'prompt' and 'messages'")
         ids = await self.in_worker(self._tokenize_ids, req)
@@ -187,7 +188,7 @@ class OpenAIServer:
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         """POST /detokenize: the text of token ids, special tokens kept."""
         self.check_model(req.model)
-        self.engine.check_ready()
+        self.engine.check_loaded()
         ids = inputs.prompt_ids(self.tokenizer, req.tokens, False)
         return {"prompt": await self.in_worker(
             functools.partial(self.tokenizer.decode, skip_special_tokens=False), ids)}
