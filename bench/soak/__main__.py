@@ -90,6 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     servers = [SoakServer(mode, cfg.num_kv_blocks, MAX_MODEL_LEN,
                           os.path.join(args.out, f"server-{mode}.log")) for mode in modes]
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    where = report.machine()  # the commit the servers start from, not the one at the end
     t0 = time.monotonic()
     try:
         records = asyncio.run(_soak_all(servers, cfg, args.startup_timeout))
@@ -103,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "command": "python -m bench.soak " + " ".join(sys.argv[1:] if argv is None
                                                               else argv),
                "date": started, "wall_s": round(time.monotonic() - t0, 1),
-               "config": asdict(cfg), "machine": report.machine(), "servers": summaries}
+               "config": asdict(cfg), "machine": where, "servers": summaries}
     report.write(args.out, summary, records)
     print(report.render(summary))
     return 0 if summary["passed"] else 1
