@@ -164,6 +164,14 @@ async def _complete(engine: AsyncEngine, request_id: str) -> int:
     return deltas[-1].num_output_tokens
 
 
+async def _two_in_flight(engine: AsyncEngine) -> list[Any]:
+    """Two long requests, each past its first delta."""
+    streams = [await engine.add(f"r{i}", [1, 2], _params(1000)) for i in range(2)]
+    for stream in streams:
+        await _first_delta(stream)
+    return streams
+
+
 async def _in_engine(engine: AsyncEngine, fn: Any) -> Any:
     return await asyncio.wait_for(engine.call_in_engine_thread(fn), 5)
 
@@ -172,9 +180,7 @@ def test_step_exception_fails_in_flight_and_keeps_the_loop():
     async def run() -> None:
         fake = FakeEngine()
         engine = await _started(fake)
-        streams = [await engine.add(f"r{i}", [1, 2], _params(1000)) for i in range(2)]
-        for stream in streams:
-            await _first_delta(stream)
+        streams = await _two_in_flight(engine)
         thread = engine._thread
         fake.fail_step = RuntimeError("injected")
         for stream in streams:
@@ -194,9 +200,7 @@ def test_base_exception_kills_the_thread_and_the_supervisor_restarts_it(monkeypa
     async def run() -> None:
         fake = FakeEngine()
         engine = await _started(fake)
-        streams = [await engine.add(f"r{i}", [1, 2], _params(1000)) for i in range(2)]
-        for stream in streams:
-            await _first_delta(stream)
+        streams = await _two_in_flight(engine)
         dead = engine._thread
         fake.fail_step = Fault()
         await asyncio.to_thread(dead.join, 5)
