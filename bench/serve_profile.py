@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-import engine.model.llama as llama
+import engine.model.decoder as decoder
 from engine.config import QUANTIZATION_MODES, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.loader import load_model
@@ -56,14 +56,14 @@ def install_model_timers(model: Any) -> None:
     matmuls, attention and KV writes."""
     model.forward = timed("forward", model.forward)
     model.compute_logits = timed("logits", model.compute_logits)
-    if getattr(llama, "_profiled", False):
+    if getattr(decoder, "_profiled", False):
         return
-    llama._profiled = True
-    if hasattr(llama, "_linear"):  # the model's own matmul helper (packed weights on CPU)
-        llama._linear = timed("matmul", llama._linear)
+    decoder._profiled = True
+    if hasattr(decoder, "_linear"):  # the model's own matmul helper (packed weights on CPU)
+        decoder._linear = timed("matmul", decoder._linear)
     else:
-        llama.F = _FProxy()  # the model's F.linear goes through the timer
-    plan_class = llama.AttentionPlan
+        decoder.F = _FProxy()  # the model's F.linear goes through the timer
+    plan_class = decoder.AttentionPlan
     plan_class.run = timed("attention", plan_class.run)
     plan_class.write_kv = timed("write_kv", plan_class.write_kv)
 

@@ -5,7 +5,7 @@ dtype. An 8-bit cache stores `q = convert(x / scale[kv_head])` and attention rea
 `q * scale[kv_head]` (docs/abi.md); `LayerKVScales` holds one layer's `k_scale` and `v_scale`,
 float32 `[num_kv_heads]` on the cache's device, where they come from, in this order:
 
-1. the model file (`LlamaForCausalLM.kv_scales_from_file`, read from a Hugging Face checkpoint's
+1. the model file (`DecoderForCausalLM.kv_scales_from_file`, read from a Hugging Face checkpoint's
    `self_attn.k_scale` / `v_scale` tensors), for fp8 caches: such scales map the layer's
    largest value to e4m3's 448, beyond int8's range, so an int8 cache calibrates instead;
 2. calibration (`calculate_kv_scales`, on by default): the engine runs one calibration prompt

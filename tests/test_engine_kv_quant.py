@@ -19,7 +19,8 @@ import torch
 from engine import LLM, EngineConfig, SamplingParams
 from engine.kv_cache import KVCache
 from engine.kv_scales import kv_cache_dtype, make_kv_scales
-from engine.model.llama import LlamaConfig, LlamaForCausalLM
+from engine.model.config import DecoderConfig
+from engine.model.decoder import DecoderForCausalLM
 from engine.model.loader import LoadedModel, load_model
 from engine.sampling_params import BeamSearchParams
 from paged_kernels.attention import AttentionPlan
@@ -142,7 +143,7 @@ def test_a_kv_budget_holds_twice_the_blocks_of_a_bfloat16_cache(loaded):
     # the default model's shape and tokenizer, bfloat16 weights left uninitialised (only the
     # calibration prompt runs on them)
     config = loaded.config
-    model = LoadedModel(LlamaForCausalLM(config, dtype=torch.bfloat16), config, loaded.tokenizer,
+    model = LoadedModel(DecoderForCausalLM(config, dtype=torch.bfloat16), config, loaded.tokenizer,
                         "bfloat16 shape", loaded.path)
     per_block_bf16 = 2 * config.num_hidden_layers * config.num_key_value_heads * 16 \
         * config.head_dim * 2
@@ -223,10 +224,10 @@ def test_calibration_prompt_sets_each_layer_and_heads_scale_and_codes_saturate(l
 
 
 def test_scales_from_the_model_file(loaded, prompts, monkeypatch):
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=8)
-    model = LlamaForCausalLM(config)
-    weights = {name: torch.zeros(tuple(p.shape)) for name, p in _checkpoint_shapes(model)}
+    config = DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+    model = DecoderForCausalLM(config)
+    weights = {name: torch.zeros(shape) for name, shape in model.checkpoint_shapes().items()}
     scales = {"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
               "model.layers.0.self_attn.v_scale": torch.tensor([0.25, 0.125]),
               "model.layers.1.self_attn.kv_scale": torch.tensor([2.0])}
@@ -241,7 +242,7 @@ def test_scales_from_the_model_file(loaded, prompts, monkeypatch):
                        ({**scales, "model.layers.1.self_attn.kv_scale": torch.ones(3)},
                         "layer 1 k_scale of 1 or 2 elements")):
         with pytest.raises(ValueError, match=match):
-            LlamaForCausalLM(config).load_weights({**weights, **bad}.items())
+            DecoderForCausalLM(config).load_weights({**weights, **bad}.items())
 
     # The engine takes a checkpoint's scales for an fp8 cache and keeps them.
     layers = loaded.config.num_hidden_layers
@@ -255,12 +256,6 @@ def test_scales_from_the_model_file(loaded, prompts, monkeypatch):
     # fp8 scales map the amax to 448, beyond int8's range: an int8 cache calibrates its own.
     assert {s.source for s in make_llm(loaded, "int8").llm_engine.kv_cache.scales} == {
         "calibration"}
-
-
-def _checkpoint_shapes(model: LlamaForCausalLM):
-    for name in model._expected_names():
-        target, rows = model._locate(name)
-        yield name, (target if rows is None else target[rows[0]:rows[1]])
 
 
 # ------------------------------------------------------------------ features on 8-bit blocks

@@ -174,12 +174,12 @@ def test_model_blocks_are_the_hf_weights(hf_default_model):
     """The default GGUF's blocks attached to a model (q/k/v and gate/up fused, the rotary row
     permutation undone) multiply like transformers' own weights of the same file."""
     from engine.model.gguf_reader import gguf_blocks, gguf_config, gguf_metadata, open_gguf
-    from engine.model.llama import LlamaForCausalLM
+    from engine.model.decoder import DecoderForCausalLM
     from engine.model.loader import default_model_path
 
     reader = open_gguf(default_model_path())
     config = gguf_config(gguf_metadata(reader), {t.name for t in reader.tensors})
-    model = LlamaForCausalLM(config, dtype=torch.float32)  # dense weights left uninitialised
+    model = DecoderForCausalLM(config, dtype=torch.float32)  # dense weights left uninitialised
     converted = attach_gguf_weights(model, gguf_blocks(reader, config))
     assert len(converted) == 4 * config.num_hidden_layers + 1
     hf = hf_default_model.model
@@ -209,11 +209,12 @@ def assert_f32_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> N
 
 def test_attach_keeps_mixed_or_missing_parts_dense():
     """A fused projection converts only when every part has blocks of one format."""
-    from engine.model.llama import LlamaConfig, LlamaForCausalLM
+    from engine.model.config import DecoderConfig
+    from engine.model.decoder import DecoderForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=2, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config, dtype=torch.float32)
+    config = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=2, num_attention_heads=2, tie_word_embeddings=True)
+    model = DecoderForCausalLM(config, dtype=torch.float32)
 
     def blocks(qtype: str, rows: int, cols: int) -> GGUFBlocks:
         raw = random_blocks(np.random.default_rng(rows), qtype, rows, cols)
@@ -231,5 +232,5 @@ def test_attach_keeps_mixed_or_missing_parts_dense():
     assert isinstance(model.layers[0].qkv_proj, torch.nn.Parameter)
     assert model.layers[0].gate_up_proj.blocks.shape == (192, 64)
     with pytest.raises(ValueError, match="dense: expected shape"):
-        attach_gguf_weights(LlamaForCausalLM(config, dtype=torch.float32),
+        attach_gguf_weights(DecoderForCausalLM(config, dtype=torch.float32),
                             [("model.layers.0.self_attn.o_proj.weight", blocks("Q4_1", 32, 64))])

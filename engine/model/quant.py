@@ -9,7 +9,7 @@ product uses the file's weights rather than a bfloat16-rounded copy, and a matmu
 step has at most `max_rows` token rows (decode of a few sequences, where the weights' bytes bound
 the time) and the dense path otherwise (prefill, large batches: compute-bound, oneDNN is faster).
 
-`attach_gguf_weights` puts QuantizedWeights into a loaded `LlamaForCausalLM`, fusing the q/k/v and
+`attach_gguf_weights` puts QuantizedWeights into a loaded `DecoderForCausalLM`, fusing the q/k/v and
 gate/up parts the way the model fuses its dense weights (block rows concatenated, the llama.cpp
 rotary row permutation already undone by `engine.model.gguf_reader.gguf_blocks`). See
 docs/quant.md.
@@ -119,7 +119,7 @@ def kernel_problem(require_simd: bool = False) -> Optional[str]:
 
 def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUFBlocks]],
                         max_rows: Optional[int] = None, int8: bool = False) -> list[str]:
-    """Replaces each projection weight of `model` (a loaded `LlamaForCausalLM`) by a
+    """Replaces each projection weight of `model` (a loaded `DecoderForCausalLM`) by a
     `QuantizedWeight` over its GGUF blocks; `blocks` yields `(hugging_face_name, GGUFBlocks)`
     for the file's tensors in a supported format (others are absent: those projections stay
     dense, and so does a fused projection whose parts differ in format). `max_rows`: see

@@ -1,19 +1,23 @@
-"""A Llama-architecture decoder whose attention runs on a paged KV cache.
+"""The decoder every family runs (engine/model/families/), its attention on a paged KV cache.
 
-RMSNorm, rotary embeddings (rotate-half convention, as Hugging Face's Llama), grouped-query
-attention through `paged_kernels.attention`, SwiGLU MLP, tied or separate output embedding.
+What a `DecoderConfig` describes: RMSNorm (optionally also after attention and around the MLP),
+rotary embeddings (rotate-half convention, as Hugging Face's; engine/model/rope.py, one kind per
+layer type), grouped-query attention through `paged_kernels.attention` (sliding windows, a logit
+soft cap and the softmax scale are the ABI's arguments), optional Q/K/V, output and MLP biases,
+optional per-head RMSNorm of Q and K, a SwiGLU or GeGLU MLP, tied or separate output embedding,
+and an optional soft cap on the logits.
 
 For speed on a CPU the projections are fused (one `qkv_proj` and one `gate_up_proj` matmul per
 layer) and, once loaded, packed in oneDNN's layout (`pack_weights`); the element-wise ops
 (RMSNorm fused with the previous residual add, rotary in place from the float32 tables, SiLU * up)
 are one fused call each on CPU tensors (`layer_ops`); the forward never synchronises (no
 `.item()`); the attention metadata is built once per step by the caller and checked once per
-forward (`paged_kernels.attention.plan`), then each layer runs the plan on its own caches.
+forward and sliding window (`paged_kernels.attention.plan`), then each layer runs its plan on
+its own caches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 import torch
@@ -22,103 +26,37 @@ from torch import nn
 
 from engine.kv_scales import LayerKVScales, file_scales_from
 from engine.model import layer_ops
-from engine.model.checkpoint_names import KV_SCALE_TENSORS, LAYER_TENSORS
+from engine.model.checkpoint_names import KV_SCALE_TENSORS, NORM_PARAMS, layer_tensors
+from engine.model.config import DecoderConfig
 from engine.model.metadata import AttentionMetadata
 from engine.model.quant import QuantizedWeight, quantized_linear
 from engine.model.quant_int8 import int8_linear
+from engine.model.rope import Rotary, RotaryEmbedding
 from paged_kernels.attention import AttentionPlan, plan
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+#: The step's attention plan of each sliding window (None: full attention).
+Plans = dict[Optional[int], AttentionPlan]
 
 
-@dataclass
-class LlamaConfig:
-    """The architecture hyper-parameters (Hugging Face's `LlamaConfig` names).
-
-    `head_dim` defaults to `hidden_size // num_attention_heads`. `eos_token_id` may be one id or a
-    list of ids (some chat models stop on several).
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    bos_token_id: Optional[int] = None
-    eos_token_id: Union[int, list[int], None] = None
-
-    def __post_init__(self) -> None:
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None and self.num_attention_heads:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_key_value_heads: expected a divisor of num_attention_heads="
-                             f"{self.num_attention_heads}, got {self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim: expected an even size (rotary pairs), got {self.head_dim}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps: expected a float > 0, got {self.rms_norm_eps!r}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta: expected a float > 0, got {self.rope_theta!r}")
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        """`eos_token_id` as a list (empty when unset)."""
-        return self.eos_ids_of(self.eos_token_id)
-
-    @staticmethod
-    def eos_ids_of(value: Union[int, list[int], None]) -> list[int]:
-        """An `eos_token_id` setting (None, one id or a list) as a list."""
-        if value is None:
-            return []
-        if isinstance(value, int):
-            return [value]
-        return list(value)
-
-
-def _rotary_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos and signed sin `[max_position_embeddings, head_dim]`: `cos` repeated over both
-    halves, `sin` negated in the first half, so that rotating is `x * cos + swap_halves(x) * sin`.
-    Angles are computed the way Hugging Face computes them (float32 inverse frequencies times
-    float32 positions), so the tables match its values exactly."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
-                                            / dim))
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
-    freqs = positions[:, None] * inv_freq[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)
-    sin = angles.sin()
-    sin[:, :dim // 2].neg_()
-    return angles.cos(), sin
-
-
-def _linear(x: torch.Tensor, weight: Union[torch.Tensor, QuantizedWeight]) -> torch.Tensor:
-    """`x @ weight.T`: with int8 activations when a `QuantizedWeight` has int8 tiles
+def _linear(x: torch.Tensor, weight: Union[torch.Tensor, QuantizedWeight],
+            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)`: with int8 activations when a `QuantizedWeight` has int8 tiles
     (engine/model/quant_int8.py), from its GGUF blocks when `x` has few rows
     (engine/model/quant.py), else through oneDNN directly when the weight was packed by
     `pack_weights`."""
     if isinstance(weight, QuantizedWeight):
+        out = None
         if weight.int8 is not None:
-            return int8_linear(x, weight.int8)
-        if weight.use_blocks(x):
-            return quantized_linear(x, weight.blocks)
+            out = int8_linear(x, weight.int8)
+        elif weight.use_blocks(x):
+            out = quantized_linear(x, weight.blocks)
+        if out is not None:
+            return out if bias is None else out.add_(bias)
         weight = weight.dense
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    return F.linear(x, weight)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def _pack(module: nn.Module, name: str) -> bool:
@@ -133,56 +71,85 @@ def _pack(module: nn.Module, name: str) -> bool:
     return True
 
 
-#: The step's positions (int64 `[T]`) and the float32 cos / signed sin tables of `_rotary_tables`.
-Rotary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class LlamaDecoderLayer(nn.Module):
-    """One pre-norm block: attention over the paged cache, then the SwiGLU MLP."""
+class DecoderLayer(nn.Module):
+    """One pre-norm block: attention over the paged cache, then the gated MLP (with Gemma's
+    extra norms when `sandwich_norm`)."""
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: DecoderConfig, index: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
-        h, d = config.hidden_size, config.head_dim
+        h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d
         self.eps = config.rms_norm_eps
+        self.window = config.layer_window(index)
+        self.layer_type = config.layer_types[index]
+        self.sandwich_norm = config.sandwich_norm
+        self.act_mul = (layer_ops.silu_mul if config.hidden_act == "silu"
+                        else layer_ops.gelu_tanh_mul)
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
 
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device),
                                 requires_grad=False)
 
+        def optional(wanted: bool, *shape: int) -> Optional[nn.Parameter]:
+            return param(*shape) if wanted else None
+
         self.input_layernorm = param(h)
         self.qkv_proj = param(qkv_rows, h)
+        self.qkv_bias = optional(config.qkv_bias, qkv_rows)
+        self.q_norm = optional(config.qk_norm, d)
+        self.k_norm = optional(config.qk_norm, d)
         self.o_proj = param(h, self.num_heads * d)
+        self.o_bias = optional(config.o_bias, h)
         self.post_attention_layernorm = param(h)
-        self.gate_up_proj = param(2 * config.intermediate_size, h)
-        self.down_proj = param(h, config.intermediate_size)
+        self.pre_feedforward_layernorm = optional(config.sandwich_norm, h)
+        self.post_feedforward_layernorm = optional(config.sandwich_norm, h)
+        self.gate_up_proj = param(2 * inter, h)
+        self.gate_up_bias = optional(config.mlp_bias, 2 * inter)
+        self.down_proj = param(h, inter)
+        self.down_bias = optional(config.mlp_bias, h)
 
-    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rotary: Rotary,
-                kv_cache: KVCache, attn: AttentionPlan,
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                rotary: dict[str, Rotary], kv_cache: KVCache, plans: Plans,
                 kv_scales: Optional[LayerKVScales] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden` `[T, hidden_size]` is the previous block's output before its residual add,
         `residual` the residual stream (None for the first block, whose `hidden` is the
         embeddings). Returns `(output, residual)` the same way (the residual is updated in
         place, so each add is fused with the next norm); writes this step's K/V to `kv_cache`
-        at the plan's slots, with `kv_scales` for an 8-bit cache (None for a float one)."""
+        at the plans' slots, with `kv_scales` for an 8-bit cache (None for a float one).
+        `rotary` and `plans` hold the step's rotary of each layer type and attention plan of
+        each sliding window."""
         if residual is None:
             residual = hidden
             x = layer_ops.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
             x = layer_ops.add_rms_norm_(residual, hidden, self.input_layernorm, self.eps)
-        x = layer_ops.add_rms_norm_(residual,
-                                    self._attention(x, rotary, kv_cache, attn, kv_scales),
-                                    self.post_attention_layernorm, self.eps)
-        gate_up = _linear(x, self.gate_up_proj)
-        return _linear(layer_ops.silu_mul(gate_up), self.down_proj), residual
+        attn = self._attention(x, rotary[self.layer_type], kv_cache, plans[self.window],
+                               kv_scales)
+        if not self.sandwich_norm:
+            x = layer_ops.add_rms_norm_(residual, attn, self.post_attention_layernorm, self.eps)
+            return self._mlp(x), residual
+        attn = layer_ops.rms_norm(attn, self.post_attention_layernorm, self.eps)
+        x = layer_ops.add_rms_norm_(residual, attn, self.pre_feedforward_layernorm, self.eps)
+        return layer_ops.rms_norm(self._mlp(x), self.post_feedforward_layernorm,
+                                  self.eps), residual
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = _linear(x, self.gate_up_proj, self.gate_up_bias)
+        return _linear(self.act_mul(gate_up), self.down_proj, self.down_bias)
 
     def _attention(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
                    attn: AttentionPlan, kv_scales: Optional[LayerKVScales]) -> torch.Tensor:
         num_tokens, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = _linear(x, self.qkv_proj).view(num_tokens, -1, self.head_dim)
+        qkv = _linear(x, self.qkv_proj, self.qkv_bias).view(num_tokens, -1, self.head_dim)
+        if self.q_norm is not None:
+            for heads, weight in ((slice(0, nh), self.q_norm), (slice(nh, nh + nkv), self.k_norm)):
+                qkv[:, heads] = F.rms_norm(qkv[:, heads], (self.head_dim,), weight, self.eps)
         layer_ops.rotary_(qkv, nh + nkv, *rotary)  # q and k, in place (qkv is ours)
         # strided row views: write_kv honours any strides with a contiguous last dimension
         key, value = qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
@@ -194,14 +161,14 @@ class LlamaDecoderLayer(nn.Module):
             attn.v_scale.copy_(v_scale)
         attn.write_kv(key, value, k_cache, v_cache)
         out = attn.run(qkv[:, :nh], k_cache, v_cache)
-        return _linear(out.reshape(num_tokens, -1), self.o_proj)
+        return _linear(out.reshape(num_tokens, -1), self.o_proj, self.o_bias)
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     """The decoder stack plus the output head. Parameters are created uninitialised; fill them
     with `load_weights` (Hugging Face tensor names) before use."""
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype = torch.float32,
                  device: Union[str, torch.device] = "cpu") -> None:
         super().__init__()
         device = torch.device(device)
@@ -214,17 +181,32 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
+                                    for i in range(config.num_hidden_layers))
         self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device),
                                  requires_grad=False)
         if config.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = nn.Parameter(torch.empty_like(self.embed_tokens), requires_grad=False)
-        cos, sin = _rotary_tables(config)
-        self.register_buffer("rotary_cos", cos.to(device), persistent=False)
-        self.register_buffer("rotary_sin", sin.to(device), persistent=False)
+        self.rotary = self._rotary_embeddings(config, device)
+        self.embedding_multiplier = (None if config.embedding_multiplier is None else
+                                     torch.tensor(config.embedding_multiplier, dtype=dtype))
+        self.windows = sorted({layer.window for layer in self.layers},
+                              key=lambda w: -1 if w is None else w)
+
+    @staticmethod
+    def _rotary_embeddings(config: DecoderConfig,
+                           device: torch.device) -> dict[str, RotaryEmbedding]:
+        """The rotary embedding of each layer type the model has."""
+        c = config
+        full = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling,
+                               c.max_position_embeddings, device)
+        local = full
+        if c.local_rope_theta is not None:
+            local = RotaryEmbedding(c.head_dim, c.local_rope_theta, None,
+                                    c.max_position_embeddings, device)
+        return {"full_attention": full, "sliding_attention": local}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata,
@@ -241,40 +223,65 @@ class LlamaForCausalLM(nn.Module):
         if kv_scales is not None and len(kv_scales) != len(self.layers):
             raise ValueError(f"kv_scales: expected {len(self.layers)} LayerKVScales, one per "
                              f"layer, got {len(kv_scales)}")
-        rotary = (positions, self.rotary_cos, self.rotary_sin)
-        attn = self.plan_attention(meta, input_ids.shape[0], kv_caches[0][0],
-                                   kv_scales is not None)
+        rotary = self._step_rotary(positions, meta)
+        plans = self.plan_attention(meta, input_ids.shape[0], kv_caches[0][0],
+                                    kv_scales is not None)
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.embedding_multiplier is not None:
+            hidden = hidden * self.embedding_multiplier
         residual = None
         scales = kv_scales or [None] * len(self.layers)
         for layer, kv_cache, layer_scales in zip(self.layers, kv_caches, scales):
             # .forward: no module hooks are used, and nn.Module.__call__ costs ~3 us a layer
-            hidden, residual = layer.forward(hidden, residual, rotary, kv_cache, attn,
+            hidden, residual = layer.forward(hidden, residual, rotary, kv_cache, plans,
                                              layer_scales)
         return layer_ops.add_rms_norm_(residual, hidden, self.norm, self.config.rms_norm_eps)
 
+    def _step_rotary(self, positions: torch.Tensor,
+                     meta: AttentionMetadata) -> dict[str, Rotary]:
+        """Each layer type's `Rotary` for this step's tokens (tables that depend on the
+        sequence length get each token's sequence length from `meta`)."""
+        token_seq_lens = None
+        if any(r.depends_on_seq_len for r in self.rotary.values()):
+            seq_lens = meta.seq_lens.to(torch.int64)
+            if meta.cu_seqlens_q is None:
+                token_seq_lens = seq_lens
+            else:
+                token_seq_lens = seq_lens.repeat_interleave(meta.cu_seqlens_q.diff().to(
+                    torch.int64), output_size=positions.shape[0])
+        return {kind: r.for_step(positions, token_seq_lens) for kind, r in self.rotary.items()}
+
     def plan_attention(self, meta: AttentionMetadata, num_tokens: int,
-                       key_cache: torch.Tensor, quantized: bool = False) -> AttentionPlan:
-        """The step's attention plan (metadata checked once, run by every layer); `key_cache` is
-        any layer's (all layers' caches have one shape and dtype). For an 8-bit cache
-        (`quantized`) the plan gets its own float32 `[num_kv_heads]` scale tensors, which
-        each layer fills with its scales before its calls."""
+                       key_cache: torch.Tensor, quantized: bool = False) -> Plans:
+        """The step's attention plan of each sliding window the layers use (metadata checked
+        once per window, run by every layer with that window); `key_cache` is any layer's
+        (all layers' caches have one shape and dtype). For an 8-bit cache (`quantized`) the
+        plans share float32 `[num_kv_heads]` scale tensors, which each layer fills with its
+        scales before its calls."""
         c = self.config
         scales = {}
         if quantized:
             ones = torch.ones(c.num_key_value_heads, dtype=torch.float32,
                               device=key_cache.device)
             scales = {"k_scale": ones, "v_scale": ones.clone()}
-        return plan(meta.block_tables, meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
-                    slot_mapping=meta.slot_mapping, num_tokens=num_tokens,
-                    num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                    head_size=c.head_dim, block_size=key_cache.shape[2],
-                    num_blocks=key_cache.shape[0], dtype=self.dtype,
-                    kv_cache_dtype=key_cache.dtype, backend=meta.backend, **scales)
+        return {window: plan(meta.block_tables, meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
+                             slot_mapping=meta.slot_mapping, num_tokens=num_tokens,
+                             num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                             head_size=c.head_dim, block_size=key_cache.shape[2],
+                             num_blocks=key_cache.shape[0], dtype=self.dtype,
+                             kv_cache_dtype=key_cache.dtype, backend=meta.backend,
+                             scale=c.attention_scale, sliding_window=window,
+                             soft_cap=c.attn_logit_softcapping, **scales)
+                for window in self.windows}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits `[N, vocab_size]` for final hidden states `[N, hidden_size]`."""
-        return _linear(hidden, self.lm_head).float()
+        """float32 logits `[N, vocab_size]` for final hidden states `[N, hidden_size]` (soft
+        capped when the config says so)."""
+        logits = _linear(hidden, self.lm_head).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.no_grad()
     def pack_weights(self) -> bool:
@@ -300,8 +307,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies tensors named as in a Hugging Face Llama checkpoint (`model.layers.0.self_attn.
-        q_proj.weight`, ...) into the fused parameters, converting to the model dtype.
+        """Copies tensors named as in the family's Hugging Face checkpoint (`model.layers.0.
+        self_attn.q_proj.weight`, ...; `checkpoint_names.layer_tensors`) into the fused
+        parameters, converting to the model dtype; RMSNorm weights get the config's
+        `norm_weight_offset` added.
 
         Raises ValueError for an unknown name or a wrong shape, and when a parameter is left
         unloaded (`lm_head.weight` is optional when the embedding is tied). KV cache scales
@@ -310,23 +319,27 @@ class LlamaForCausalLM(nn.Module):
         if self.packed:
             raise RuntimeError("load_weights: the weights were packed for inference "
                                "(pack_weights); load into a fresh model")
+        table = layer_tensors(self.config)
         loaded: set[str] = set()
         found_scales: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             if self._kv_scale(name, tensor, found_scales):
                 continue
-            target, rows = self._locate(name)
+            target, rows, is_norm = self._locate(name, table)
             if target is None:
                 if name.endswith("rotary_emb.inv_freq"):
-                    continue  # a buffer some checkpoints carry; recomputed from rope_theta
-                raise ValueError(f"weights: unexpected tensor {name!r} for a Llama model")
+                    continue  # a buffer some checkpoints carry; recomputed from the config
+                raise ValueError(f"weights: unexpected tensor {name!r} for a "
+                                 f"{self.config.architecture} model")
             dest = target if rows is None else target[rows[0]:rows[1]]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(f"weights: expected {name!r} of shape {tuple(dest.shape)}, got "
                                  f"{tuple(tensor.shape)}")
             dest.copy_(tensor)
+            if is_norm and self.config.norm_weight_offset:
+                dest.add_(self.config.norm_weight_offset)
             loaded.add(name)
-        missing = sorted(set(self._expected_names()) - loaded)
+        missing = sorted(set(self.checkpoint_names()) - loaded)
         if missing:
             raise ValueError(f"weights: missing tensors {missing[:6]}"
                              f"{' ...' if len(missing) > 6 else ''} ({len(missing)} in all)")
@@ -347,42 +360,53 @@ class LlamaForCausalLM(nn.Module):
             found.setdefault(int(parts[2]), {})[which] = tensor
         return True
 
-    def _expected_names(self) -> list[str]:
+    def checkpoint_names(self) -> list[str]:
+        """Every tensor name `load_weights` needs (KV cache scales are optional)."""
+        table = layer_tensors(self.config)
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.config.tie_word_embeddings:
             names.append("lm_head.weight")
         for i in range(len(self.layers)):
-            p = f"model.layers.{i}."
-            names += [p + s + ".weight" for s in LAYER_TENSORS]
+            names += [f"model.layers.{i}.{key}" for key in table]
         return names
 
-    def _locate(self, name: str) -> tuple[Optional[torch.Tensor], Optional[tuple[int, int]]]:
-        """The parameter a checkpoint tensor goes to, and its row range inside a fused one."""
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape `load_weights` expects of each tensor of `checkpoint_names`."""
+        table = layer_tensors(self.config)
+        shapes = {}
+        for name in self.checkpoint_names():
+            target, rows, _ = self._locate(name, table)
+            shapes[name] = (tuple(target.shape) if rows is None
+                            else (rows[1] - rows[0], *target.shape[1:]))
+        return shapes
+
+    def _locate(self, name: str, table: dict[str, tuple[str, Optional[int]]]
+                ) -> tuple[Optional[torch.Tensor], Optional[tuple[int, int]], bool]:
+        """The parameter a checkpoint tensor goes to, its row range inside a fused one, and
+        whether it is an RMSNorm weight."""
         if name == "model.embed_tokens.weight":
-            return self.embed_tokens, None
+            return self.embed_tokens, None, False
         if name == "model.norm.weight":
-            return self.norm, None
+            return self.norm, None, True
         if name == "lm_head.weight":
             if self.config.tie_word_embeddings:
-                return None, None
-            return self.lm_head, None
+                return None, None, False
+            return self.lm_head, None, False
         parts = name.split(".")
         if (len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit()
-                or parts[-1] != "weight" or int(parts[2]) >= len(self.layers)):
-            return None, None
-        layer = self.layers[int(parts[2])]
-        key = ".".join(parts[3:-1])
-        if key not in LAYER_TENSORS:
-            return None, None
-        fused, index = LAYER_TENSORS[key]
-        target = getattr(layer, fused)
-        if index is None:
-            return target, None
-        return target, self._row_range(fused, index)
+                or int(parts[2]) >= len(self.layers)):
+            return None, None, False
+        key = ".".join(parts[3:])
+        if key not in table:
+            return None, None, False
+        param, index = table[key]
+        target = getattr(self.layers[int(parts[2])], param)
+        rows = None if index is None else self._row_range(param, index)
+        return target, rows, param in NORM_PARAMS
 
     def _row_range(self, fused: str, index: int) -> tuple[int, int]:
         c = self.config
-        if fused == "gate_up_proj":
+        if fused.startswith("gate_up"):
             sizes = [c.intermediate_size, c.intermediate_size]
         else:
             sizes = [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
