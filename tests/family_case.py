@@ -29,6 +29,11 @@ VOCAB = 300
 PROMPT_LENS = (37, 5, 23, 11)
 NEW_TOKENS = 32
 BLOCK_SIZE = 4
+#: The small case for the slow backends (cuda-host, the Triton interpreter): two prompts, one
+#: past a window of up to 12 positions, prefilled in chunks of `SMALL_CHUNK`, a few new tokens.
+SMALL_LENS = (13, 6)
+SMALL_NEW_TOKENS = 4
+SMALL_CHUNK = 8
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
@@ -162,3 +167,16 @@ def assert_engine_matches_transformers(path: str, cases: tuple[str, ...] = tuple
         if case == "chunked":
             assert max(map(len, batch)) > run["max_num_batched_tokens"]
         assert got == want, f"{case}: engine {got} != transformers {want}"
+
+
+def assert_small_case_matches(path: str, seed: int = 0, lens: tuple[int, ...] = SMALL_LENS,
+                              new_tokens: int = SMALL_NEW_TOKENS, **settings: Any) -> None:
+    """The engine equals transformers token for token on `lens` prompts and `new_tokens` new
+    tokens, prefilled in chunks of `SMALL_CHUNK` (no prefix cache): the case for backends too
+    slow for `assert_engine_matches_transformers`; `settings` go to the engine (a backend)."""
+    batch = prompts(seed, lens)
+    assert max(lens) > SMALL_CHUNK
+    want = transformers_greedy(path, batch, new_tokens)
+    got, _ = engine_greedy(path, batch, new_tokens, max_num_batched_tokens=SMALL_CHUNK,
+                           enable_prefix_caching=False, **settings)
+    assert got == want, f"small case: engine {got} != transformers {want}"
