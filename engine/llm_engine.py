@@ -100,11 +100,12 @@ class LLMEngine:
         kvm.reset_prefix_cache()
 
     def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
+        limit = self.model_config.max_positions
         wanted = self.config.max_model_len
         if wanted is not None and wanted > limit:
-            raise ValueError(f"max_model_len: expected at most the model's "
-                             f"max_position_embeddings={limit}, got {wanted}")
+            raise ValueError(f"max_model_len: expected at most the model's {limit} positions "
+                             f"(max_position_embeddings, times a dynamic rotary factor), "
+                             f"got {wanted}")
         return wanted or limit
 
     def _resolve_num_blocks(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from engine.model.rope import check_scaling
+from engine.model.rope import check_scaling, max_positions
 
 __all__ = ["ACTIVATIONS", "LAYER_TYPES", "DecoderConfig"]
 
@@ -141,6 +141,12 @@ class DecoderConfig:
         if self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
         return None
+
+    @property
+    def max_positions(self) -> int:
+        """The number of positions the model runs: `max_position_embeddings`, stretched by a
+        `dynamic` rotary scaling's `factor` (engine/model/rope.py)."""
+        return max_positions(self.max_position_embeddings, self.rope_scaling)
 
     @property
     def eos_token_ids(self) -> list[int]:

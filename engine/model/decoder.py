@@ -212,7 +212,7 @@ class DecoderForCausalLM(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata,
                 kv_scales: Optional[list[LayerKVScales]] = None) -> torch.Tensor:
         """Runs `input_ids` (int64 `[T]`) at `positions` (int64 `[T]`, each
-        `< max_position_embeddings`) through every layer; `kv_caches[i]` is layer `i`'s
+        `< config.max_positions`) through every layer; `kv_caches[i]` is layer `i`'s
         `(key_cache, value_cache)`, each `[num_blocks, num_kv_heads, block_size, head_dim]` in
         the model dtype or an 8-bit one, whose scales are `kv_scales[i]` (engine/kv_scales.py;
         pending ones are calibrated on this step's K/V). Returns the final-normed hidden states
