@@ -234,10 +234,14 @@ def test_tiny_hf_directory_matches_transformers(tiny_dir, dtype):
 def test_hf_config_rejects_non_llama():
     with pytest.raises(ValueError, match="model_type"):
         hf_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(ValueError, match="rope_scaling"):
-        hf_config({**TINY, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
-    with pytest.raises(ValueError, match="yarn"):
-        hf_config({**TINY, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    assert hf_config({**TINY, "rope_scaling": llama3}).rope_scaling == llama3
+    with pytest.raises(ValueError, match="'mrope'"):
+        hf_config({**TINY, "rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="'high_freq_factor'"):
+        hf_config({**TINY, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                            "low_freq_factor": 1.0}})
     config = hf_config({**TINY, "rope_parameters": {"rope_type": "default", "rope_theta": 3e4},
                         "head_dim": None})
     assert config.rope_theta == 3e4 and config.head_dim == 48 // 4
