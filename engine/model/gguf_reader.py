@@ -1,11 +1,18 @@
-"""Reading a Llama GGUF file: its metadata, a `DecoderConfig`, and float32 tensors under Hugging
-Face names (dequantised with the `gguf` package).
+"""Reading a GGUF file: its metadata, its `DecoderConfig` (through the Hugging Face config it
+stands for, engine/model/gguf_config.py), and float32 tensors under Hugging Face names
+(dequantised with the `gguf` package), for the architectures in `gguf_config.HF_ARCHITECTURES`.
 
-llama.cpp's converter permutes the rows of each head of the Q and K projections so that rotary
-embeddings rotate adjacent pairs (0,1), (2,3), ...; our model (like Hugging Face's Llama) rotates
-halves (i, i + head_dim/2). `gguf_tensors` undoes that permutation, so a GGUF and the Hugging Face
-checkpoint it came from load to the same weights. `gguf_blocks` yields the quantized tensors as
-stored (for `engine.model.quant`), with the same permutation undone on their block rows.
+Each architecture's GGUF tensor names map to Hugging Face's (`hf_name`), and what llama.cpp's
+converter stores differently is undone, so a GGUF and the checkpoint it came from load to the
+same weights:
+- `llama`: the rows of each head of the Q and K projections are permuted so that rotary
+  embeddings rotate adjacent pairs (0,1), (2,3), ...; our model (like Hugging Face's) rotates
+  halves (i, i + head_dim/2). `unpermute_rotary_rows` undoes it.
+- `gemma2` / `gemma3`: RMSNorm weights are stored as `1 + w` (Hugging Face stores `w`).
+- `phi3`: `qkv_proj` and `gate_up_proj` stay fused (`attn_qkv`, `ffn_up`); LongRoPE's factors
+  are tensors that the config reads, not weights.
+`gguf_blocks` yields the quantized tensors as stored (for `engine.model.quant`), with the same
+permutation undone on their block rows.
 """
 
 from __future__ import annotations
@@ -16,25 +23,44 @@ import numpy as np
 import torch
 
 from engine.model.config import DecoderConfig
+from engine.model.gguf_config import architecture_of, gguf_config
 from engine.model.quant import BLOCK_BYTES, GGUFBlocks
 
-#: GGUF per-layer tensor name -> Hugging Face per-layer name.
+__all__ = ["open_gguf", "gguf_metadata", "gguf_config", "hf_name", "unpermute_rotary_rows",
+           "gguf_blocks", "gguf_tensors"]
+
+#: GGUF per-layer tensor name -> Hugging Face per-layer name (Llama's layout).
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+#: Per architecture, the layer names that differ from `_LAYER_NAMES`.
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+#: Tensors that are settings rather than weights (the config reads them).
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+#: Architectures whose converter stores RMSNorm weights as `1 + w`.
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
 
 
 def open_gguf(path: str) -> Any:
@@ -61,50 +87,17 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
     return meta
 
 
-def gguf_config(meta: dict[str, Any], tensor_names: set[str]) -> DecoderConfig:
-    """The `DecoderConfig` described by a GGUF's metadata (architecture "llama" only)."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"model: expected a GGUF of architecture 'llama', got {arch!r}")
-    scaling = meta.get("llama.rope.scaling.type", "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
-        raise ValueError(f"model: rotary scaling {scaling!r} (or rope_freqs) is not supported; "
-                         "expected plain rotary embeddings")
-
-    def need(key: str) -> Any:
-        if f"llama.{key}" not in meta:
-            raise ValueError(f"model: GGUF metadata lacks 'llama.{key}'")
-        return meta[f"llama.{key}"]
-
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    vocab = meta.get("llama.vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))
-    return DecoderConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_hidden_layers=int(need("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(meta.get("llama.attention.head_count_kv", heads)),
-        head_dim=int(meta.get("llama.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta.get("llama.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-    )
-
-
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF tensor; ValueError for a tensor a Llama does not have."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of architecture `arch`; ValueError for a tensor
+    that architecture does not have."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    raise ValueError(f"model: unexpected GGUF tensor {gguf_name!r} for a Llama model")
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+    raise ValueError(f"model: unexpected GGUF tensor {gguf_name!r} for architecture {arch!r}")
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -116,13 +109,21 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
-def _unpermute(name: str, tensor: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
-    """`tensor` (rows first) with llama.cpp's rotary row permutation undone when `name` is a Q or
-    K projection."""
-    if name.endswith("self_attn.q_proj.weight"):
+def _architecture(reader: Any) -> str:
+    field = reader.fields.get("general.architecture")
+    return architecture_of({"general.architecture": field.contents() if field else None})
+
+
+def _as_stored_by_hf(name: str, tensor: torch.Tensor, arch: str,
+                     config: DecoderConfig) -> torch.Tensor:
+    """`tensor` (rows first) as the Hugging Face checkpoint stores it: llama.cpp's rotary row
+    permutation undone on a Llama Q or K projection, the `1 +` taken off a Gemma norm weight."""
+    if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
         return unpermute_rotary_rows(tensor, config.num_attention_heads)
-    if name.endswith("self_attn.k_proj.weight"):
+    if arch == "llama" and name.endswith("self_attn.k_proj.weight"):
         return unpermute_rotary_rows(tensor, config.num_key_value_heads)
+    if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+        return tensor - 1.0
     return tensor
 
 
@@ -131,27 +132,32 @@ def gguf_blocks(reader: Any, config: DecoderConfig) -> Iterator[tuple[str, GGUFB
     `engine.model.quant` reads (Q4_1, Q8_0); other tensors are skipped. The blocks are a copy of
     the file's bytes with rows in Hugging Face order (the rotary permutation of Q and K undone on
     whole rows of blocks)."""
+    arch = _architecture(reader)
     for t in reader.tensors:
         qtype = t.tensor_type.name
-        if qtype not in BLOCK_BYTES or len(t.shape) != 2:
+        if qtype not in BLOCK_BYTES or len(t.shape) != 2 or t.name in _CONFIG_TENSORS:
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         cols, rows = (int(n) for n in t.shape)  # GGUF lists dimensions fastest-first
         data = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
-        yield name, GGUFBlocks(qtype, _unpermute(name, data, config).contiguous(), cols)
+        yield name, GGUFBlocks(qtype, _as_stored_by_hf(name, data, arch, config).contiguous(),
+                               cols)
 
 
 def gguf_tensors(reader: Any, config: DecoderConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields `(hugging_face_name, float32 tensor)` for every tensor of the file, dequantised and
-    with the rotary permutation of Q and K undone."""
+    """Yields `(hugging_face_name, float32 tensor)` for every weight of the file, dequantised
+    and as the Hugging Face checkpoint stores it (`_as_stored_by_hf`)."""
     from gguf.quants import dequantize
 
+    arch = _architecture(reader)
     for t in reader.tensors:
-        name = hf_name(t.name)
+        if t.name in _CONFIG_TENSORS:
+            continue
+        name = hf_name(t.name, arch)
         array = dequantize(t.data, t.tensor_type)
         # GGUF lists dimensions fastest-first; torch wants them slowest-first
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         array = np.ascontiguousarray(array, dtype=np.float32)
         if not array.flags.writeable:  # unquantised tensors are views of the memory-mapped file
             array = array.copy()
-        yield name, _unpermute(name, torch.from_numpy(array).reshape(shape), config)
+        yield name, _as_stored_by_hf(name, torch.from_numpy(array).reshape(shape), arch, config)

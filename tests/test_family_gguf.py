@@ -1,0 +1,183 @@
+"""GGUF files of the model families against the safetensors checkpoints they come from.
+
+Each file is written here, with the `gguf` package's writer, from a tiny random checkpoint
+(tests/family_case.py) the way llama.cpp's converter writes that architecture: its metadata
+keys, its tensor names (from `gguf`'s own name map, not the engine's), Llama's Q/K row
+permutation, Gemma's norm weights stored as `1 + w`, Phi-3's fused tensors and LongRoPE factor
+tensors. Loading the GGUF must give the `DecoderConfig` and the greedy continuations of the
+safetensors directory (engine against engine; the family tests compare the directories with
+transformers). A Q8_0 Phi-3 file also runs on its blocks (`quantization="gguf"`), fused
+`attn_qkv` / `ffn_up` included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from engine.model.families import config_from_hf
+from family_case import engine_greedy, prompts, write_checkpoint
+
+#: GGUF architecture -> (transformers config class, its settings, the norms' neutral value).
+MODELS = {
+    "llama": ("LlamaConfig", dict(head_dim=16), 1.0),
+    "phi3": ("Phi3Config", dict(sliding_window=8, original_max_position_embeddings=128,
+                                pad_token_id=0), 1.0),
+}
+BATCH = prompts(5, lens=(21, 7))
+NEW_TOKENS = 8
+
+
+def hf_config(arch: str):
+    import transformers
+
+    cls, settings, _ = MODELS[arch]
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    return getattr(transformers, cls)(**{**base, **settings})
+
+
+def permute_rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's Q/K permutation: each head's halves (i, i + d/2) become
+    interleaved pairs (2i, 2i + 1)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_metadata(writer, arch: str, cfg: dict) -> None:
+    """The hyper-parameters llama.cpp's converter writes for `arch`."""
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if "head_dim" in cfg and arch != "phi3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "llama":
+        writer.add_vocab_size(cfg["vocab_size"])
+    if arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
+
+
+def write_tokenizer(writer, path: str, vocab_size: int) -> None:
+    """The tiny byte-level BPE tokenizer of `path` as GGUF "gpt2" tokenizer metadata, padded
+    to `vocab_size` with unused `[PAD<id>]` tokens as the converter pads it."""
+    import gguf
+
+    with open(os.path.join(path, "tokenizer.json")) as f:
+        model = json.load(f)["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    kinds = [gguf.TokenType.CONTROL if i < 3 else gguf.TokenType.NORMAL
+             for i in range(len(tokens))]
+    kinds += [gguf.TokenType.UNUSED] * (vocab_size - len(tokens))
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(kinds)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def write_gguf(hf_dir: str, arch: str, qtype: str = "F32") -> str:
+    """`hf_dir`'s checkpoint as `<hf_dir>/model.<qtype>.gguf`, converted as llama.cpp does;
+    matrices in `qtype` ("F32" or "Q8_0"), norms and vectors in F32."""
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    path = os.path.join(hf_dir, f"model.{qtype}.gguf")
+    writer = gguf.GGUFWriter(path, arch)
+    write_metadata(writer, arch, cfg)
+    write_tokenizer(writer, hf_dir, cfg["vocab_size"])
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()),
+                                     cfg["num_hidden_layers"])
+    kv_heads = cfg["num_key_value_heads"]
+    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = kv_heads if "k_proj" in name else cfg["num_attention_heads"]
+            tensor = permute_rotary_rows(tensor, heads)
+        data = tensor.float().numpy()
+        new_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new_name is not None, name
+        if qtype == "Q8_0" and data.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(new_name, quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(new_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def converted(request, tmp_path_factory) -> tuple[str, str, str]:
+    """(architecture, safetensors directory, F32 GGUF path) of one family."""
+    arch = request.param
+    hf_dir = write_checkpoint(str(tmp_path_factory.mktemp(arch)), hf_config(arch),
+                              norm_center=MODELS[arch][2])
+    return arch, hf_dir, write_gguf(hf_dir, arch)
+
+
+def test_gguf_equals_its_safetensors_checkpoint(converted) -> None:
+    from engine.model.gguf_reader import gguf_config, gguf_metadata, open_gguf
+
+    arch, hf_dir, path = converted
+    reader = open_gguf(path)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        want = dataclasses.asdict(config_from_hf(json.load(f)))
+    got = dataclasses.asdict(gguf_config(gguf_metadata(reader), reader.tensors))
+    assert got == want
+    settings = dict(max_num_batched_tokens=16, enable_prefix_caching=False)
+    from_gguf, _ = engine_greedy(path, BATCH, NEW_TOKENS, quantization="none", **settings)
+    from_hf, _ = engine_greedy(hf_dir, BATCH, NEW_TOKENS, **settings)
+    assert from_gguf == from_hf
+
+
+def test_phi3_q8_0_runs_on_its_fused_blocks(tmp_path) -> None:
+    """Phi-3's fused `attn_qkv` and `ffn_up` Q8_0 tensors become the layers' `qkv_proj` and
+    `gate_up_proj` blocks, and decode on them continues as the dense load of the same file."""
+    from engine.model.quant import QuantizedWeight
+
+    hf_dir = write_checkpoint(str(tmp_path), hf_config("phi3"))
+    path = write_gguf(hf_dir, "phi3", "Q8_0")
+    blocks, engine = engine_greedy(path, BATCH, NEW_TOKENS, quantization="gguf")
+    for name in ("qkv_proj", "gate_up_proj", "o_proj", "down_proj"):
+        weight = getattr(engine.loaded.model.layers[0], name)
+        assert isinstance(weight, QuantizedWeight) and weight.blocks.qtype == "Q8_0", name
+    dense, _ = engine_greedy(path, BATCH, NEW_TOKENS, quantization="none")
+    assert blocks == dense
+
+
+def test_gguf_refuses_what_it_cannot_read() -> None:
+    from engine.model.gguf_reader import gguf_config
+
+    meta = {"general.architecture": "llama", "llama.attention.head_count": 4,
+            "llama.embedding_length": 64, "llama.feed_forward_length": 96,
+            "llama.block_count": 2, "llama.vocab_size": 300}
+    with pytest.raises(ValueError, match="rope_freqs"):
+        gguf_config(meta, ["rope_freqs.weight"])
+    with pytest.raises(ValueError, match="general.architecture 'falcon'"):
+        gguf_config({**meta, "general.architecture": "falcon"}, [])
+    with pytest.raises(ValueError, match="rope.dimension_count"):
+        gguf_config({**meta, "llama.rope.dimension_count": 8}, [])
+    assert np.isclose(gguf_config(meta, []).rope_theta, 10000.0)
