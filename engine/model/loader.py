@@ -119,7 +119,7 @@ def _load_gguf(path: str, dtype: torch.dtype, device: Union[str, torch.device],
                quantization: str) -> LoadedModel:
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
-    config = gguf_config(meta, {t.name for t in reader.tensors})
+    config = gguf_config(meta, reader.tensors)  # Phi-3 keeps LongRoPE factors as tensors
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     use_blocks = _gguf_quantization_applies(quantization, dtype, device)
     model = _build(config, gguf_tensors(reader, config), dtype, device)
