@@ -55,6 +55,11 @@ class Tokenizer:
         return None if token is None else self._tok.token_to_id(token)
 
     @property
+    def backend(self) -> BackendTokenizer:
+        """The `tokenizers` object underneath (its vocabulary, decoder and settings)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
