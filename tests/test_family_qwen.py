@@ -22,13 +22,16 @@ FAMILIES = ("qwen2", "qwen3")
 
 def qwen2_config(**overrides):
     """A small `transformers.Qwen2Config`: 14 query heads over 2 KV heads of size 64, two
-    layers, the second sliding over `WINDOW` positions."""
+    layers, the second sliding over `WINDOW` positions, rotary base 1e6 and tied embeddings
+    (as Qwen2.5-0.5B)."""
     import transformers
 
     fields = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=14, num_key_value_heads=2, head_dim=64,
                   max_position_embeddings=128, rms_norm_eps=1e-6, use_sliding_window=True,
-                  sliding_window=WINDOW, max_window_layers=1, bos_token_id=1, eos_token_id=2)
+                  sliding_window=WINDOW, max_window_layers=1, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                  bos_token_id=1, eos_token_id=2)
     return transformers.Qwen2Config(**{**fields, **overrides})
 
 
@@ -73,6 +76,7 @@ def test_qwen2_biases_qkv_only():
     assert config.architecture == "qwen2"
     assert (config.qkv_bias, config.o_bias, config.mlp_bias, config.qk_norm) == (
         True, False, False, False)
+    assert (config.rope_theta, config.tie_word_embeddings) == (1e6, True)
 
 
 def test_qwen3_norms_qk_and_biases_as_its_config_says():
