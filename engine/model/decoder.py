@@ -249,7 +249,11 @@ class DecoderForCausalLM(nn.Module):
             else:
                 token_seq_lens = seq_lens.repeat_interleave(meta.cu_seqlens_q.diff().to(
                     torch.int64), output_size=positions.shape[0])
-        return {kind: r.for_step(positions, token_seq_lens) for kind, r in self.rotary.items()}
+        done: dict[int, Rotary] = {}  # layer types sharing one embedding share its tables
+        for r in self.rotary.values():
+            if id(r) not in done:
+                done[id(r)] = r.for_step(positions, token_seq_lens)
+        return {kind: done[id(r)] for kind, r in self.rotary.items()}
 
     def plan_attention(self, meta: AttentionMetadata, num_tokens: int,
                        key_cache: torch.Tensor, quantized: bool = False) -> Plans:
