@@ -26,11 +26,21 @@ from family_case import engine_greedy, prompts, write_checkpoint
 #: GGUF architecture -> (transformers config class, its settings, the norms' neutral value).
 MODELS = {
     "llama": ("LlamaConfig", dict(head_dim=16), 1.0),
+    "qwen2": ("Qwen2Config", dict(), 1.0),
+    "qwen3": ("Qwen3Config", dict(head_dim=16), 1.0),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                    pad_token_id=0), 0.0),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16,
+                                        sliding_window=8, pad_token_id=0), 0.0),
     "phi3": ("Phi3Config", dict(sliding_window=8, original_max_position_embeddings=128,
                                 pad_token_id=0), 1.0),
 }
 BATCH = prompts(5, lens=(21, 7))
 NEW_TOKENS = 8
+#: Engine settings of every run: chunked prefill, and a pool of 64 blocks (the default budget
+#: takes seconds to allocate, and these runs hold 12 blocks).
+SETTINGS = dict(max_num_batched_tokens=16, enable_prefix_caching=False, num_kv_blocks=64)
 
 
 def hf_config(arch: str):
@@ -60,7 +70,9 @@ def write_metadata(writer, arch: str, cfg: dict) -> None:
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
-    writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' rotary
+    if arch != "gemma2":
+        writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     if "head_dim" in cfg and arch != "phi3":
         writer.add_key_length(head_dim)
@@ -68,6 +80,12 @@ def write_metadata(writer, arch: str, cfg: dict) -> None:
     writer.add_rope_dimension_count(head_dim)
     if arch == "llama":
         writer.add_vocab_size(cfg["vocab_size"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    if arch in ("gemma2", "gemma3"):
+        if cfg.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        writer.add_sliding_window(cfg["sliding_window"])
     if arch == "phi3":
         writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
         writer.add_sliding_window(cfg.get("sliding_window") or 0)
@@ -111,6 +129,10 @@ def write_gguf(hf_dir: str, arch: str, qtype: str = "F32") -> str:
                                      cfg["num_hidden_layers"])
     kv_heads = cfg["num_key_value_heads"]
     for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if arch.startswith("gemma") and name == "lm_head.weight":
+            continue  # tied; the converter skips it
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            tensor = tensor + 1.0  # Gemma's RMSNorm multiplies by 1 + w
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = kv_heads if "k_proj" in name else cfg["num_attention_heads"]
             tensor = permute_rotary_rows(tensor, heads)
@@ -147,9 +169,8 @@ def test_gguf_equals_its_safetensors_checkpoint(converted) -> None:
         want = dataclasses.asdict(config_from_hf(json.load(f)))
     got = dataclasses.asdict(gguf_config(gguf_metadata(reader), reader.tensors))
     assert got == want
-    settings = dict(max_num_batched_tokens=16, enable_prefix_caching=False)
-    from_gguf, _ = engine_greedy(path, BATCH, NEW_TOKENS, quantization="none", **settings)
-    from_hf, _ = engine_greedy(hf_dir, BATCH, NEW_TOKENS, **settings)
+    from_gguf, _ = engine_greedy(path, BATCH, NEW_TOKENS, quantization="none", **SETTINGS)
+    from_hf, _ = engine_greedy(hf_dir, BATCH, NEW_TOKENS, **SETTINGS)
     assert from_gguf == from_hf
 
 
@@ -160,11 +181,11 @@ def test_phi3_q8_0_runs_on_its_fused_blocks(tmp_path) -> None:
 
     hf_dir = write_checkpoint(str(tmp_path), hf_config("phi3"))
     path = write_gguf(hf_dir, "phi3", "Q8_0")
-    blocks, engine = engine_greedy(path, BATCH, NEW_TOKENS, quantization="gguf")
+    blocks, engine = engine_greedy(path, BATCH, NEW_TOKENS, quantization="gguf", **SETTINGS)
     for name in ("qkv_proj", "gate_up_proj", "o_proj", "down_proj"):
         weight = getattr(engine.loaded.model.layers[0], name)
         assert isinstance(weight, QuantizedWeight) and weight.blocks.qtype == "Q8_0", name
-    dense, _ = engine_greedy(path, BATCH, NEW_TOKENS, quantization="none")
+    dense, _ = engine_greedy(path, BATCH, NEW_TOKENS, quantization="none", **SETTINGS)
     assert blocks == dense
 
 

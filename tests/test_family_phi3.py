@@ -6,20 +6,25 @@ through the cuda-host emulator and the Triton interpreter on one case each."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from engine.model.families import config_from_hf
-from family_case import (assert_engine_matches_transformers, engine_greedy, prompts,
-                         transformers_greedy, write_checkpoint)
+from family_case import (assert_engine_matches_transformers, assert_small_case_matches,
+                         engine_greedy, prompts, transformers_greedy, write_checkpoint)
 
 WINDOW = 8
+#: LongRoPE's pretraining length in the LongRoPE test.
+ORIGINAL_LEN = 16
 
 
 def phi3_config(**overrides):
     """A tiny Phi3Config: 4 query heads over 1 KV head of size 64, window `WINDOW`."""
     import transformers
 
-    settings = dict(vocab_size=300, hidden_size=256, intermediate_size=96, num_hidden_layers=3,
+    settings = dict(vocab_size=300, hidden_size=256, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
                     original_max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=1,
                     eos_token_id=2, pad_token_id=0, sliding_window=WINDOW)
@@ -32,13 +37,10 @@ def phi3_path(tmp_path_factory) -> str:
 
 
 def test_phi3_config_fields(phi3_path) -> None:
-    import json
-    import os
-
     with open(os.path.join(phi3_path, "config.json")) as f:
         config = config_from_hf(json.load(f))
     assert (config.architecture, config.fused_checkpoint, config.head_dim) == ("phi3", True, 64)
-    assert config.layer_types == ["sliding_attention"] * 3 and config.sliding_window == WINDOW
+    assert config.layer_types == ["sliding_attention"] * 2 and config.sliding_window == WINDOW
     assert config.rope_scaling is None and config.num_key_value_heads == 1
 
 
@@ -48,15 +50,36 @@ def test_phi3_matches_transformers(phi3_path) -> None:
 
 @pytest.mark.parametrize("backend", ["cuda-host", "triton"])
 def test_phi3_kernel_backends_match_transformers(phi3_path, backend) -> None:
-    """One short batch (prompts and continuations both past the window) through a backend
-    whose window path runs here only under a real model."""
+    """The small case (a prompt past the window) through a backend whose window path runs
+    here only under a real model."""
     if backend == "triton":
         pytest.importorskip("triton_env")  # skips where Triton is unusable
-    batch = prompts(3, lens=(13, 6))
-    want = transformers_greedy(phi3_path, batch, new_tokens=6)
-    got, _ = engine_greedy(phi3_path, batch, new_tokens=6, backend=backend,
-                           max_num_batched_tokens=8, enable_prefix_caching=False)
+    assert_small_case_matches(phi3_path, backend=backend)
+
+
+def test_phi3_longrope_matches_transformers(tmp_path) -> None:
+    """LongRoPE: a sequence longer than `ORIGINAL_LEN` all along (long factors) and one shorter
+    all along (short factors), with the attention factor of 128/16, equal to transformers
+    unchunked and after preemption by recompute. A sequence that crosses the length while it
+    decodes is left out: transformers' Phi-3 then recomputes its whole cache with the long
+    factors, the engine keeps the keys it has (docs/models.md)."""
+    half = 32  # head_dim / 2
+    scaling = {"rope_type": "longrope", "rope_theta": 10000.0,
+               "short_factor": [1.0 + 0.02 * i for i in range(half)],
+               "long_factor": [1.0 + 0.5 * i for i in range(half)]}
+    config = phi3_config(rope_parameters=scaling, original_max_position_embeddings=ORIGINAL_LEN)
+    path = write_checkpoint(str(tmp_path), config)
+    with open(os.path.join(path, "config.json")) as f:
+        rope = config_from_hf(json.load(f)).rope_scaling
+    assert (rope["rope_type"], rope["original_max_position_embeddings"]) == ("longrope", 16)
+    batch = prompts(7, lens=(ORIGINAL_LEN + 4, 5))
+    new_tokens = ORIGINAL_LEN - 5  # the short one ends at ORIGINAL_LEN tokens
+    want = transformers_greedy(path, batch, new_tokens)
+    got, _ = engine_greedy(path, batch, new_tokens, num_kv_blocks=64)
     assert got == want
+    got, engine = engine_greedy(path, batch, new_tokens, num_kv_blocks=9,
+                                preemption_mode="recompute", enable_prefix_caching=False)
+    assert engine.stats().num_preemptions > 0 and got == want
 
 
 @pytest.mark.parametrize("field, value", [("hidden_act", "gelu"),
