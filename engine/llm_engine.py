@@ -13,6 +13,7 @@ but the length limits before `min_tokens` tokens.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from typing import Optional, Union
 from typing import Sequence as Seq
@@ -33,6 +34,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
 from engine.stop_strings import StopMatch
+from engine.structured_output import StructuredOutputCompiler, grammar_for, make_compiler
 from engine.tokenizer import IncrementalDetokenizer
 
 
@@ -75,7 +77,19 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids)
         self._seq_ids = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
+        self._compiler: Optional[StructuredOutputCompiler] = None
+        self._compiler_lock = threading.Lock()
         self._calibrate_kv_scales()
+
+    @property
+    def structured_output(self) -> StructuredOutputCompiler:
+        """The compiler of structured-output constraints for this model's vocabulary (built
+        on first use; thread-safe, shared with the server's worker threads)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = make_compiler(self.tokenizer, self.model_config.vocab_size,
+                                               self.eos_token_ids)
+            return self._compiler
 
     def _calibrate_kv_scales(self) -> None:
         """Runs `kv_scales.calibration_prompt_ids` through the model (one prefill step, one
@@ -121,24 +135,37 @@ class LLMEngine:
                     arrival_time: Optional[float] = None, prompt: Optional[str] = None) -> None:
         """Queues a request. ValueError for a duplicate id, an empty or out-of-vocabulary prompt,
         a prompt that leaves no room under `max_model_len`, `n > max_num_seqs`, `n > 1` under a
-        reservation `kv_allocation`, or a request that could never fit in the KV pool."""
+        reservation `kv_allocation`, or a request that could never fit in the KV pool; also
+        for `logit_bias` ids outside the vocabulary and `structured_outputs` that do not
+        compile. `best_of` counts as `n` for these checks."""
         if request_id in self._groups:
             raise ValueError(f"request_id: expected an id not in use, got {request_id!r}")
         ids = self.check_prompt(prompt_token_ids)
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n: expected at most max_num_seqs={self.config.max_num_seqs} "
-                             f"sequences per request, got {params.n}")
-        if params.n > 1:
-            self.require_paged(f"n={params.n}")
-        self._check_fits(len(ids), params.max_tokens, params.n)
+        num_seqs = params.num_seqs
+        name = "best_of" if params.best_of else "n"
+        if num_seqs > self.config.max_num_seqs:
+            raise ValueError(f"{name}: expected at most max_num_seqs={self.config.max_num_seqs}"
+                             f" sequences per request, got {num_seqs}")
+        if num_seqs > 1:
+            self.require_paged(f"{name}={num_seqs}")
+        self._check_fits(len(ids), params.max_tokens, num_seqs)
+        self._check_logit_bias(params)
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)
         group = SequenceGroup(request_id, ids, params,
                               time.monotonic() if arrival_time is None else arrival_time,
-                              self.next_seq_id(), prompt, num_seqs=params.n)
+                              self.next_seq_id(), prompt, num_seqs=num_seqs)
         if params.seed is not None:
             group.generator = torch.Generator().manual_seed(params.seed)
         self._init_seq(group.seqs[0])
         self._groups[request_id] = group
         self.scheduler.add(group)
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: expected token ids in [0, {vocab}), got {bad[0]}")
 
     def check_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
         """The prompt as a list; ValueError unless it is a non-empty list of in-vocabulary ids
@@ -183,6 +210,10 @@ class LLMEngine:
                                            prompt_token_ids=seq.group.prompt_token_ids,
                                            output_token_ids=seq.output_token_ids,
                                            generator=seq.group.generator)
+        if params.structured_outputs is not None:
+            seq.sampling_state.grammar = grammar_for(self.structured_output,
+                                                     params.structured_outputs,
+                                                     seq.output_token_ids)
         if params.logprobs is not None and seq.logprobs is None:
             seq.logprobs = []
         matcher = params.stop_matcher
@@ -254,6 +285,8 @@ class LLMEngine:
         for j, seq in enumerate(targets):
             top = result.top_logprobs[j] if result.top_logprobs else None
             seq.append_token(result.token_ids[j], result.logprobs[j], top)
+            if seq.sampling_state.grammar is not None:
+                seq.sampling_state.grammar.accept(result.token_ids[j])
             self._post_process(seq)
         return list(dict.fromkeys(s.group for s in targets))
 
@@ -278,14 +311,29 @@ class LLMEngine:
                 status = SequenceStatus.FINISHED_STOPPED
             elif params.stop_token_ids and token in params.stop_token_ids:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-            elif stop is not None:
+            elif stop is not None and self._stop_string_ends(seq, len(delta), stop):
                 self._cut_at_stop_string(seq, len(delta), stop)
                 status = SequenceStatus.FINISHED_STOPPED
+        grammar = seq.sampling_state.grammar
+        if status is None and grammar is not None and grammar.is_terminated:
+            status = SequenceStatus.FINISHED_STOPPED  # its end token, even under ignore_eos
         if status is None and ((params.max_tokens is not None and num_out >= params.max_tokens)
                                or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             self.scheduler.finish_seq(seq, status)
+
+    def _stop_string_ends(self, seq: Sequence, delta_len: int, stop: StopMatch) -> bool:
+        """Whether the stop string that ended in the last `delta_len` characters ends `seq`:
+        always, unless the sequence is constrained and the text it would keep is not a whole
+        sentence of its grammar (then the stop string is ignored and generation goes on)."""
+        grammar = seq.sampling_state.grammar
+        if grammar is None:
+            return True
+        end = len(seq.text) - delta_len + stop.end
+        kept = seq.text[:end if seq.group.params.include_stop_str_in_output
+                        else end - len(stop.stop)]
+        return grammar.completes(kept)
 
     def _cut_at_stop_string(self, seq: Sequence, delta_len: int, stop: StopMatch) -> None:
         """Truncates `seq.text` at the stop string that ended in its last `delta_len`
@@ -296,13 +344,22 @@ class LLMEngine:
         seq.stop_reason = stop.stop
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
-        outputs = [CompletionOutput(index=s.index, text=s.text,
+        """The request's outputs by index. With `best_of > n`: none until every sequence has
+        finished, then the `n` with the highest cumulative log-probability (ties: the lower
+        index), indexed 0..n-1 in that order."""
+        seqs = sorted(group.seqs, key=lambda s: s.index)
+        params = group.params
+        ranked = bool(getattr(params, "best_of", None)) and params.best_of > params.n
+        if ranked:
+            seqs = (sorted(seqs, key=lambda s: -s.cumulative_logprob)[:params.n]
+                    if group.is_finished else [])
+        outputs = [CompletionOutput(index=k if ranked else s.index, text=s.text,
                                     token_ids=list(s.output_token_ids),
                                     cumulative_logprob=s.cumulative_logprob,
                                     logprobs=None if s.logprobs is None else list(s.logprobs),
                                     finish_reason=s.status.finish_reason,
                                     stop_reason=s.stop_reason)
-                   for s in sorted(group.seqs, key=lambda s: s.index)]
+                   for k, s in enumerate(seqs)]
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
                              outputs, finished=group.is_finished)
 

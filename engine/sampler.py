@@ -1,5 +1,6 @@
-"""Turns one step's logits into tokens, per request: penalties, min_tokens, temperature, top-k,
-top-p, min-p, then greedy or random choice; plus the log-probabilities vLLM reports.
+"""Turns one step's logits into tokens, per request: logit_bias, penalties, min_tokens, the
+structured-output mask, temperature, top-k, top-p, min-p, then greedy or random choice; plus the
+log-probabilities vLLM reports.
 
 Every row is processed independently of the others (row-wise operations only), and a row with a
 `generator` draws its randomness from that generator alone, so a seeded request samples the same
@@ -14,6 +15,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarState, apply_grammar_masks
 
 
 @dataclass
@@ -21,13 +23,15 @@ class SamplingState:
     """What the sampler needs to know about one sequence. `output_token_ids` is the live list of
     tokens generated so far (the caller appends to it). `generator` is the request's own random
     stream (seeded from `params.seed`), or None to use torch's global one. `eos_token_ids` is
-    added to the sampler's own EOS ids for `min_tokens`."""
+    added to the sampler's own EOS ids for `min_tokens`. `grammar`: the sequence's
+    structured-output matcher (the caller advances it with each accepted token), or None."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: Optional[torch.Generator] = None
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    grammar: Optional[GrammarState] = None
 
 
 @dataclass
@@ -84,19 +88,33 @@ class Sampler:
 
     def processed_logits(self, logits: torch.Tensor,
                          states: list[SamplingState]) -> torch.Tensor:
-        """`logits` (float32 `[N, vocab]`) with the penalties applied and, for rows short of
-        `min_tokens`, EOS / `stop_token_ids` set to -inf; a copy when anything changes (the
-        input is never modified). Greedy rows take its argmax; the others sample from
-        `sampling_probs` of it."""
+        """`logits` (float32 `[N, vocab]`) with `logit_bias` added, the penalties applied, for
+        rows short of `min_tokens` EOS / `stop_token_ids` set to -inf, and for rows with a
+        grammar every token it does not allow set to -inf; a copy when anything changes (the
+        input is never modified). The grammar wins: a row it would leave without a token
+        (its grammar must end, min_tokens bans the end) keeps only the grammar's mask.
+        Greedy rows take its argmax; the others sample from `sampling_probs` of it."""
         x = logits.float()
+        biased = [i for i, s in enumerate(states) if s.params.logit_bias]
         penalised = [i for i, s in enumerate(states) if _has_penalty(s)]
         masks = [(i, ids) for i, ids in enumerate(self._min_tokens_bans(states, x.shape[1]))
                  if ids]
-        if penalised or masks:
-            x = x.clone()
-            _apply_penalties(x, [(i, states[i]) for i in penalised])
-            for i, ids in masks:
-                x[i, ids] = float("-inf")
+        constrained = [i for i, s in enumerate(states) if s.grammar is not None]
+        if not (biased or penalised or masks or constrained):
+            return x
+        x = x.clone()
+        _add_logit_bias(x, [(i, states[i].params) for i in biased])
+        _apply_penalties(x, [(i, states[i]) for i in penalised])
+        for i, ids in masks:
+            x[i, ids] = float("-inf")
+        if constrained:
+            grammars = [states[i].grammar for i in constrained]
+            apply_grammar_masks(x, constrained, grammars)  # type: ignore[arg-type]
+            stuck = [i for i, dead in zip(constrained, torch.isinf(x[constrained]).all(1).tolist())
+                     if dead]
+            if stuck:
+                x[stuck] = logits[stuck].float()
+                apply_grammar_masks(x, stuck, [states[i].grammar for i in stuck])  # type: ignore
         return x
 
     def _min_tokens_bans(self, states: list[SamplingState], vocab: int) -> list[list[int]]:
@@ -111,6 +129,19 @@ class Sampler:
                     banned |= self.eos_token_ids | s.eos_token_ids
             bans.append(sorted(t for t in banned if 0 <= t < vocab))
         return bans
+
+
+def _add_logit_bias(x: torch.Tensor, rows: list[tuple[int, SamplingParams]]) -> None:
+    """Adds each row's `logit_bias` to its logits, in place, in one scatter for all rows
+    (ids beyond the row's width are the caller's error: the engine checks them on entry)."""
+    if not rows:
+        return
+    parts = [(i, p.logit_bias_tensors) for i, p in rows]
+    row_ids = torch.cat([torch.full((len(t[0]),), i, dtype=torch.long)
+                         for i, t in parts if t is not None])
+    token_ids = torch.cat([t[0] for _, t in parts if t is not None])
+    values = torch.cat([t[1] for _, t in parts if t is not None]).to(x.dtype)
+    x.index_put_((row_ids, token_ids), values, accumulate=True)
 
 
 def _has_penalty(s: SamplingState) -> bool:

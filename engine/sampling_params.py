@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
+
+import torch
 
 from engine.stop_strings import StopStringMatcher
 
 #: Temperatures below this are greedy (as in vLLM).
 GREEDY_EPS = 1e-5
+#: The range of a `logit_bias` value (OpenAI's).
+LOGIT_BIAS_MAX = 100.0
 #: The range of `seed`: a signed 64-bit integer (vLLM's bound; torch's generator takes it).
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -40,6 +45,68 @@ def _check_real(name: str, value: object, low: float, high: float, *, low_open: 
         _fail(name, f"a number in {lo}{low}, {high}{hi}", value)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output text (vLLM's `StructuredOutputsParams`); exactly one of:
+
+    - `json`: a JSON schema (a dict or its JSON text): the output is a JSON value that
+      validates against it;
+    - `json_object`: True: the output is a JSON object (OpenAI's JSON mode);
+    - `regex`: the output matches the regular expression whole;
+    - `choice`: the output is exactly one of these non-empty strings;
+    - `grammar`: the output is a sentence of this EBNF grammar (GBNF, root rule `root`).
+
+    Checked on construction (ValueError naming the field); whether the schema, regex or
+    grammar compiles is checked by `engine.structured_output.StructuredOutputCompiler`.
+    `key` identifies the constraint (a dict schema by its canonical JSON text) for caches.
+    """
+
+    json: Union[str, dict[str, Any], None] = None
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[tuple[str, ...]] = None
+    grammar: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            _fail("structured_outputs", "exactly one of json, json_object, regex, choice, "
+                  "grammar", given or "none")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            _fail("structured_outputs.json", "a JSON schema (an object or its JSON text)",
+                  self.json)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            _fail("structured_outputs.json_object", "a bool", self.json_object)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                _fail(f"structured_outputs.{name}", "a non-empty str", value)
+        if self.choice is not None:
+            if not (isinstance(self.choice, (list, tuple)) and self.choice and all(
+                    isinstance(c, str) and c for c in self.choice)):
+                _fail("structured_outputs.choice", "a non-empty list of non-empty str",
+                      self.choice)
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): equal for equal constraints (a dict schema as compact JSON text, its keys
+        in their order)."""
+        if self.json is not None:
+            # key order kept: a schema's property order is the order generated
+            text = self.json if isinstance(self.json, str) else json.dumps(
+                self.json, separators=(",", ":"))
+            return "json", text
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return "grammar", str(self.grammar)
+
+
 @dataclass
 class SamplingParams:
     """How to sample the completions of one prompt (vLLM's `SamplingParams`).
@@ -61,6 +128,12 @@ class SamplingParams:
     - `logprobs`: None, or the number of most likely tokens whose log-probabilities are returned
       with each generated token (the sampled one is always included).
     - `skip_special_tokens`: leave special tokens out of the text.
+    - `logit_bias`: token id -> a number in [-100, 100] added to that token's logit before
+      sampling (OpenAI's meaning; -100 in effect bans a token, 100 all but forces it).
+    - `best_of`: generate this many sequences (at least `n`) and return the `n` with the
+      highest cumulative log-probability, when all have finished (vLLM's meaning).
+    - `structured_outputs`: a `StructuredOutputsParams` constraint on the output (a JSON
+      schema, a regex, ...), applied as a token mask before sampling.
 
     Invalid values raise ValueError naming the field. `stop_matcher`, the automaton that finds
     the stop strings (`engine.stop_strings`), is built on first use and shared by every request
@@ -84,6 +157,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    logit_bias: Optional[dict[int, float]] = None
+    best_of: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    _logit_bias_tensors: Optional[tuple[torch.Tensor, torch.Tensor]] = field(
+        default=None, init=False, repr=False, compare=False)
     _stop_matcher: Optional[StopStringMatcher] = field(default=None, init=False, repr=False,
                                                         compare=False)
 
@@ -112,6 +190,26 @@ class SamplingParams:
                 _fail(name, "a bool", getattr(self, name))
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
+        self._check_logit_bias()
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, self.n)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            _fail("structured_outputs", "None or a StructuredOutputsParams",
+                  self.structured_outputs)
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            _fail("logit_bias", "None or a dict of token id -> bias", bias)
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                _fail("logit_bias", "token ids (keys) that are ints >= 0", token)
+            if not (_is_real(value) and -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX):
+                _fail("logit_bias", f"biases in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}] "
+                      f"(token {token})", value)
 
     def _check_stops(self) -> None:
         stop = self.stop
@@ -132,6 +230,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this samples greedily (temperature below 1e-5)."""
         return self.temperature < GREEDY_EPS
+
+    @property
+    def num_seqs(self) -> int:
+        """How many sequences the request generates: `best_of`, else `n`."""
+        return self.best_of or self.n
+
+    @property
+    def logit_bias_tensors(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """`logit_bias` as (token ids int64, biases float32), built once; None without one."""
+        if self._logit_bias_tensors is None and self.logit_bias:
+            ids = torch.tensor(list(self.logit_bias), dtype=torch.long)
+            values = torch.tensor(list(self.logit_bias.values()), dtype=torch.float32)
+            self._logit_bias_tensors = ids, values
+        return self._logit_bias_tensors
 
     @property
     def stop_matcher(self) -> Optional[StopStringMatcher]:
