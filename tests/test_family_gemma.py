@@ -153,9 +153,16 @@ def test_gemma3_older_config_json():
     assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
 
 
-def test_gemma3_multimodal_config_is_refused():
-    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-           "text_config": gemma3_config().to_dict()}
+@pytest.mark.parametrize("raw", [
+    {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+     "text_config": {"model_type": "gemma3_text"}},
+    {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3_text"},
+], ids=["nested", "flat"])
+def test_gemma3_multimodal_config_is_refused(raw):
+    if "text_config" in raw:
+        raw = {**raw, "text_config": gemma3_config().to_dict()}
+    else:
+        raw = {**gemma3_config().to_dict(), **raw}
     with pytest.raises(ValueError, match="only the text model is supported"):
         config_from_hf(raw)
 

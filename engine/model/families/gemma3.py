@@ -28,8 +28,8 @@ DEFAULTS: dict[str, Any] = dict(sliding_window=4096, final_logit_softcapping=Non
 
 def _refuse_multimodal(raw: dict[str, Any]) -> None:
     archs = raw.get("architectures") or []
-    if raw.get("model_type") == "gemma3" or "text_config" in raw or (
-            archs and "Gemma3ForCausalLM" not in archs):
+    if (raw.get("model_type") == "gemma3" or "text_config" in raw
+            or "Gemma3ForConditionalGeneration" in archs):
         raise ValueError(f"model: architectures {archs} (model_type {raw.get('model_type')!r}) "
                          f"is the multimodal Gemma 3; only the text model is supported "
                          f"(Gemma3ForCausalLM, model_type 'gemma3_text')")
