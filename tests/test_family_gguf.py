@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
@@ -23,7 +24,9 @@ import torch
 from engine.model.families import config_from_hf
 from family_case import engine_greedy, prompts, write_checkpoint
 
-#: GGUF architecture -> (transformers config class, its settings, the norms' neutral value).
+HALF = 8  # head_dim / 2 of the tiny models
+#: Model -> (transformers config class, its settings, the norms' neutral value); a model's
+#: GGUF architecture is its name up to the first "-".
 MODELS = {
     "llama": ("LlamaConfig", dict(head_dim=16), 1.0),
     "qwen2": ("Qwen2Config", dict(), 1.0),
@@ -35,6 +38,11 @@ MODELS = {
                                         sliding_window=8, pad_token_id=0), 0.0),
     "phi3": ("Phi3Config", dict(sliding_window=8, original_max_position_embeddings=128,
                                 pad_token_id=0), 1.0),
+    "phi3-longrope": ("Phi3Config", dict(
+        original_max_position_embeddings=16, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [round(1.0 + 0.02 * i, 2) for i in range(HALF)],
+                         "long_factor": [1.0 + 0.5 * i for i in range(HALF)]}), 1.0),
 }
 BATCH = prompts(5, lens=(21, 7))
 NEW_TOKENS = 8
@@ -43,10 +51,10 @@ NEW_TOKENS = 8
 SETTINGS = dict(max_num_batched_tokens=16, enable_prefix_caching=False, num_kv_blocks=64)
 
 
-def hf_config(arch: str):
+def hf_config(model: str):
     import transformers
 
-    cls, settings, _ = MODELS[arch]
+    cls, settings, _ = MODELS[model]
     base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                 rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
@@ -144,6 +152,14 @@ def write_gguf(hf_dir: str, arch: str, qtype: str = "F32") -> str:
             writer.add_tensor(new_name, quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(new_name, data)
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
+        original = cfg["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for key in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{key}.weight",
+                              np.array(rope[f"{key}_factor"], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -153,21 +169,29 @@ def write_gguf(hf_dir: str, arch: str, qtype: str = "F32") -> str:
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def converted(request, tmp_path_factory) -> tuple[str, str, str]:
-    """(architecture, safetensors directory, F32 GGUF path) of one family."""
-    arch = request.param
-    hf_dir = write_checkpoint(str(tmp_path_factory.mktemp(arch)), hf_config(arch),
-                              norm_center=MODELS[arch][2])
-    return arch, hf_dir, write_gguf(hf_dir, arch)
+    """(model, safetensors directory, F32 GGUF path) of one `MODELS` entry."""
+    model = request.param
+    hf_dir = write_checkpoint(str(tmp_path_factory.mktemp(model)), hf_config(model),
+                              norm_center=MODELS[model][2])
+    return model, hf_dir, write_gguf(hf_dir, model.split("-")[0])
 
 
 def test_gguf_equals_its_safetensors_checkpoint(converted) -> None:
     from engine.model.gguf_reader import gguf_config, gguf_metadata, open_gguf
 
-    arch, hf_dir, path = converted
+    _, hf_dir, path = converted
     reader = open_gguf(path)
     with open(os.path.join(hf_dir, "config.json")) as f:
         want = dataclasses.asdict(config_from_hf(json.load(f)))
     got = dataclasses.asdict(gguf_config(gguf_metadata(reader), reader.tensors))
+    if want["rope_scaling"] and want["rope_scaling"]["rope_type"] == "longrope":
+        # the file states LongRoPE's attention factor, config.json the factor it comes from
+        factor = want["rope_scaling"].pop("factor")
+        scaling = got["rope_scaling"]
+        assert scaling.pop("factor") == factor
+        original = scaling["original_max_position_embeddings"]
+        assert math.isclose(scaling.pop("attention_factor"),
+                            math.sqrt(1 + math.log(factor) / math.log(original)), rel_tol=1e-6)
     assert got == want
     from_gguf, _ = engine_greedy(path, BATCH, NEW_TOKENS, quantization="none", **SETTINGS)
     from_hf, _ = engine_greedy(hf_dir, BATCH, NEW_TOKENS, **SETTINGS)

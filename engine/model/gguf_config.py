@@ -221,7 +221,7 @@ def _factors(tensor: Any, name: str) -> list[float]:
     if not hasattr(tensor, "data"):
         raise ValueError(f"tensors: expected the file's tensors (with data) to read {name!r}, "
                          "got only names")
-    return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
+    return [_decimal(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
 
 
 _ARCH_FIELDS: dict[str, Callable[[dict[str, Any], dict[str, Any], str, dict[str, Any]],
