@@ -4,8 +4,9 @@ Qwen2: Qwen2.5-0.5B's 7:1 grouped-query layout (14 query heads over 2 KV heads o
 biased Q, K and V, `use_sliding_window` with `max_window_layers=1`: the first layer attends to
 everything, the second slides over a window shorter than the prompts. Qwen3: Qwen3-0.6B's 2:1
 layout with heads larger than hidden_size / heads, per-head Q/K norms, the same window layout.
-Each runs every harness case (tests/family_case.py), then the small case through the cuda-host
-kernels and the Triton interpreter.
+Each runs chunked prefill, prefix-cache hits and one preemption mode of the harness
+(tests/family_case.py), then the small case through the cuda-host kernels and the Triton
+interpreter.
 """
 
 from __future__ import annotations
@@ -132,9 +133,15 @@ def test_another_activation_is_refused(family):
 
 # --- the engine against transformers --------------------------------------------------------
 
+#: The harness cases of each family: both preempt, one by recompute, one by swap (the two
+#: modes do not depend on the family; tests/test_family_mistral.py runs both on one model).
+HARNESS_CASES = {"qwen2": ("chunked", "prefix", "recompute"),
+                 "qwen3": ("chunked", "prefix", "swap")}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_matches_transformers(checkpoints, family):
-    assert_engine_matches_transformers(checkpoints(family))
+    assert_engine_matches_transformers(checkpoints(family), cases=HARNESS_CASES[family])
 
 
 @pytest.mark.parametrize("backend", ["cuda-host", "triton"])
