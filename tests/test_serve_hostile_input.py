@@ -142,7 +142,7 @@ def test_seed_out_of_range_is_400_in_the_apis_words(client, seed):
     ({"n": 10**30}, "n", "expected a value <= 64"),
     ({"logprobs": 10**30}, "logprobs", "expected a value <= 20"),
     ({"min_tokens": 10**30}, "min_tokens", "expected at most max_tokens=16"),
-    ({"best_of": 10**30}, "best_of", "expected None or equal to n"),
+    ({"best_of": 10**30}, "best_of", "expected None or an integer in [n=1, 64]"),
     ({"stop_token_ids": [10**30]}, "stop_token_ids", "expected token ids in [0, "),
     ({"stop_token_ids": [-1]}, "stop_token_ids", "expected token ids in [0, "),
     ({"top_k": -2}, "top_k", "expected a value >= -1"),

@@ -112,6 +112,27 @@ def max_tokens(max_model_len: int, prompt_len: int, requested: Optional[int]) ->
     return requested
 
 
+def output_controls(engine: Any, req: Any) -> dict[str, Any]:
+    """The SamplingParams keyword arguments of `req`'s `logit_bias` (ids checked against the
+    model's vocabulary) and its output constraint (`response_format` or `structured_outputs`,
+    compiled here through `engine.structured_output`, the compiled grammar cached for the
+    engine); 400 naming the field at fault (a schema, regex or grammar that does not
+    compile)."""
+    kwargs: dict[str, Any] = {}
+    bias = req.logit_bias_ids(engine.model_config.vocab_size)
+    if bias:
+        kwargs["logit_bias"] = bias
+    found = req.constraint()
+    if found is not None:
+        spec, field = found
+        try:
+            engine.structured_output.compile(spec, field)
+        except ValueError as exc:
+            raise APIError(400, str(exc), field) from None
+        kwargs["structured_outputs"] = spec
+    return kwargs
+
+
 def sampling_params(kwargs: dict[str, Any]) -> Any:
     """`SamplingParams(**kwargs)`; its ValueError or TypeError becomes a 400 whose param is the
     message's leading field name."""

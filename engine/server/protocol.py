@@ -26,11 +26,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import SEED_MAX, SEED_MIN
+from engine.sampling_params import LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, StructuredOutputsParams
 from engine.server.errors import INVALID_UNICODE, APIError, encodable
 
 #: Most top log-probabilities a request may ask for per token (OpenAI's limit).
 MAX_LOGPROBS = 20
+#: Most candidates a completions request may ask for (`best_of`), as many as `n` may be.
+MAX_BEST_OF = 64
 
 
 class _Model(BaseModel):
@@ -101,6 +103,58 @@ class StreamOptions(_Model):
     continuous_usage_stats: StrictBool = False
 
 
+class JSONSchemaFormat(_Model):
+    """`response_format.json_schema`: the schema the output must validate against (OpenAI's
+    `name`, `description` and `strict` are taken and not used: the schema is always enforced)."""
+
+    name: Optional[StrictStr] = None
+    description: Optional[StrictStr] = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(_Model):
+    """`response_format`: "text" (no constraint), "json_object" (JSON mode: a JSON object)
+    or "json_schema" (with `json_schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    def constraint(self) -> Optional[StructuredOutputsParams]:
+        """The constraint this format asks for (None for "text"); 400 naming
+        `response_format.json_schema` when "json_schema" comes without one."""
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise APIError(400, "response_format.json_schema: expected an object with a "
+                               "schema when type is 'json_schema', got nothing",
+                               "response_format.json_schema")
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs` extra field: exactly one of `json` (a schema), `json_object`,
+    `regex`, `choice` (a list of strings) and `grammar` (EBNF)."""
+
+    json_: Optional[Union[dict[str, Any], StrictStr]] = Field(None, alias="json")
+    json_object: Optional[StrictBool] = None
+    regex: Optional[StrictStr] = None
+    choice: Optional[list[StrictStr]] = None
+    grammar: Optional[StrictStr] = None
+
+    def constraint(self) -> StructuredOutputsParams:
+        """The constraint; 400 naming `structured_outputs` (and the part at fault) when it is
+        not exactly one well-formed constraint."""
+        try:
+            return StructuredOutputsParams(json=self.json_, json_object=self.json_object,
+                                           regex=self.regex, choice=self.choice,
+                                           grammar=self.grammar)
+        except ValueError as exc:
+            raise APIError(400, str(exc), str(exc).split(":", 1)[0]) from None
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
@@ -114,7 +168,8 @@ class _SamplingFields(_Request):
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[StrictStr, StrictFloat]] = None
+    response_format: Optional[ResponseFormat] = None
     user: Optional[str] = None
     # vLLM's extras
     top_k: Optional[StrictInt] = Field(None, ge=-1)
@@ -125,13 +180,37 @@ class _SamplingFields(_Request):
     stop_token_ids: Optional[list[StrictInt]] = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    structured_outputs: Optional[StructuredOutputs] = None
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
-        if value:
-            raise ValueError("logit_bias is not supported by this server; leave it out")
-        return value
+    def logit_bias_ids(self, vocab_size: int) -> Optional[dict[int, float]]:
+        """`logit_bias` with int keys; 400 naming `logit_bias` for a key that is not a token
+        id in [0, vocab_size) or a bias outside [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            token = int(key) if key.strip().isdigit() else -1
+            if not 0 <= token < vocab_size:
+                raise APIError(400, f"logit_bias: expected token ids in [0, {vocab_size}) as "
+                               f"keys, got {key!r}", "logit_bias")
+            if not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
+                raise APIError(400, f"logit_bias: expected biases in [-{LOGIT_BIAS_MAX:g}, "
+                               f"{LOGIT_BIAS_MAX:g}], got {value} for token {key}",
+                               "logit_bias")
+            bias[token] = float(value)
+        return bias
+
+    def constraint(self) -> Optional[tuple[StructuredOutputsParams, str]]:
+        """(the output's constraint, the field it came from: `response_format` or
+        `structured_outputs`), or None; 400 when both fields constrain the output."""
+        fmt = self.response_format.constraint() if self.response_format else None
+        extra = self.structured_outputs.constraint() if self.structured_outputs else None
+        if fmt is not None and extra is not None:
+            raise APIError(400, "structured_outputs: expected it or a constraining "
+                           "response_format, got both", "structured_outputs")
+        if fmt is not None:
+            return fmt, "response_format"
+        return None if extra is None else (extra, "structured_outputs")
 
     @field_validator("stop")
     @classmethod
@@ -207,10 +286,16 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
     def check_best_of(self) -> None:
-        """best_of must equal n when given (this server returns every candidate)."""
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, f"best_of: expected None or equal to n ({self.n}), got "
-                           f"{self.best_of}", "best_of")
+        """400 naming `best_of` unless it is None or in [n, 64], and, when more than n, the
+        request does not stream (the n best are known only at the end)."""
+        if self.best_of is None:
+            return
+        if not self.n <= self.best_of <= MAX_BEST_OF:
+            raise APIError(400, f"best_of: expected None or an integer in [n={self.n}, "
+                           f"{MAX_BEST_OF}], got {self.best_of}", "best_of")
+        if self.stream and self.best_of > self.n:
+            raise APIError(400, f"best_of: expected at most n={self.n} when streaming (the "
+                           f"best are known only at the end), got {self.best_of}", "best_of")
 
 
 class TextPart(_Model):
@@ -234,10 +319,6 @@ class ChatMessage(_Model):
         return {"role": role, "content": content or ""}
 
 
-class ResponseFormat(_Model):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`. With neither `max_tokens` nor `max_completion_tokens`, a
     reply may use the rest of the context (`--max-model-len` minus the prompt)."""
@@ -247,7 +328,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: Optional[ResponseFormat] = None
     tools: Optional[list[Any]] = None
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False

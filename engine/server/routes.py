@@ -122,6 +122,7 @@ class OpenAIServer:
     def _completion_inputs(self, req: CompletionRequest) -> tuple[list[list[int]], list[Any]]:
         """(prompt ids, SamplingParams) per prompt of a completions request (worker thread)."""
         inputs.check_stop_token_ids(req.stop_token_ids, self.tokenizer.vocab_size)
+        controls = inputs.output_controls(self.engine.engine, req)
         prompts, params = [], []
         for p in req.prompts():
             ids = inputs.prompt_ids(self.tokenizer, p, req.add_special_tokens,
@@ -130,6 +131,8 @@ class OpenAIServer:
             kwargs["max_tokens"] = inputs.max_tokens(self.max_model_len, len(ids),
                                                      req.max_tokens)
             kwargs["logprobs"] = req.logprobs
+            kwargs["best_of"] = req.best_of
+            kwargs.update(controls)
             prompts.append(ids)
             params.append(inputs.sampling_params(kwargs))
         return prompts, params
@@ -143,6 +146,7 @@ class OpenAIServer:
         kwargs["max_tokens"] = inputs.max_tokens(self.max_model_len, len(ids),
                                                  req.requested_max_tokens)
         kwargs["logprobs"] = num_logprobs
+        kwargs.update(inputs.output_controls(self.engine.engine, req))
         return ids, inputs.sampling_params(kwargs)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
