@@ -129,11 +129,15 @@ def transformers_greedy(path: str, batch: list[list[int]],
 def engine_greedy(path: str, batch: list[list[int]], new_tokens: int = NEW_TOKENS,
                   warm: Optional[list[list[int]]] = None, **settings: Any) -> tuple[list, Any]:
     """The engine's greedy continuations of `batch` (one `generate` call) and the engine, in
-    float32 with `BLOCK_SIZE`-token blocks and `settings` (LLM's arguments). `warm` prompts
-    run first, in their own call (for prefix-cache hits). Checks the engine's integrity."""
+    float32 with `BLOCK_SIZE`-token blocks, 256 of them unless `settings` (LLM's arguments)
+    say otherwise. `warm` prompts run first, in their own call (for prefix-cache hits).
+    Checks the engine's integrity."""
     from engine import LLM, SamplingParams
 
-    settings = {"dtype": torch.float32, "block_size": BLOCK_SIZE, **settings}
+    # a pool of its own size: the default budget (hundreds of MiB for a tiny model) takes
+    # seconds to allocate and zero
+    settings = {"dtype": torch.float32, "block_size": BLOCK_SIZE, "num_kv_blocks": 256,
+                **settings}
     llm = LLM(path, **settings)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     if warm:

@@ -86,8 +86,8 @@ def assert_logprobs_match(path, lens=SMALL_LENS, new_tokens=SMALL_NEW_TOKENS, **
 
     from engine import LLM, SamplingParams
 
-    llm = LLM(path, dtype=torch.float32, block_size=4, max_num_batched_tokens=SMALL_CHUNK,
-              enable_prefix_caching=False, **settings)
+    llm = LLM(path, dtype=torch.float32, block_size=4, num_kv_blocks=64,
+              max_num_batched_tokens=SMALL_CHUNK, enable_prefix_caching=False, **settings)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
                             logprobs=5)
     batch = prompts(lens=lens)

@@ -31,7 +31,7 @@ def qwen3_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(qwen3_dir):
     proc = ServerProcess("--model", qwen3_dir, "--dtype", "float32", "--num-threads", "1",
-                         "--block-size", "4").start()
+                         "--block-size", "4", "--num-kv-blocks", "64").start()
     yield proc
     proc.stop()
 
@@ -56,7 +56,7 @@ def test_chat_uses_the_checkpoint_template_and_equals_the_engine(server, qwen3_d
     reply = client.chat.completions.create(model=os.path.basename(qwen3_dir), messages=messages,
                                            max_tokens=8, temperature=0.0)
     assert reply.usage.prompt_tokens == len(ids)
-    offline = LLM(qwen3_dir, dtype=torch.float32, block_size=4).chat(
+    offline = LLM(qwen3_dir, dtype=torch.float32, block_size=4, num_kv_blocks=64).chat(
         messages, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert list(offline[0].prompt_token_ids) == ids
     assert reply.choices[0].message.content == offline[0].outputs[0].text
