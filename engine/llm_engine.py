@@ -7,7 +7,10 @@ Requests come in as token ids (`add_request`); each `step()` advances every sche
 and returns a `RequestOutput` for each request that produced tokens. Post-processing appends the
 sampled tokens, detokenizes them incrementally and applies the stop conditions: EOS (unless
 `ignore_eos`), `stop_token_ids`, `stop` strings, `max_tokens` and the model's length limit; none
-but the length limits before `min_tokens` tokens.
+but the length limits before `min_tokens` tokens. A sequence with `structured_outputs` has its
+own grammar matcher (engine/structured_output.py), advanced with each sampled token; it ends when
+its grammar has accepted its end token, and a stop string ends it only where its text is
+complete under the grammar.
 """
 
 from __future__ import annotations
