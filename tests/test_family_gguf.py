@@ -3,11 +3,11 @@
 Each file is written here, with the `gguf` package's writer, from a tiny random checkpoint
 (tests/family_case.py) the way llama.cpp's converter writes that architecture: its metadata
 keys, its tensor names (from `gguf`'s own name map, not the engine's), Llama's Q/K row
-permutation, Gemma's norm weights stored as `1 + w`, Phi-3's fused tensors and LongRoPE factor
-tensors. Loading the GGUF must give the `DecoderConfig` and the greedy continuations of the
-safetensors directory (engine against engine; the family tests compare the directories with
-transformers). A Q8_0 Phi-3 file also runs on its blocks (`quantization="gguf"`), fused
-`attn_qkv` / `ffn_up` included.
+permutation and Llama 3's `rope_freqs` (each frequency's divisor), Gemma's norm weights stored
+as `1 + w`, Phi-3's fused tensors and LongRoPE factor tensors. Loading the GGUF must give the
+`DecoderConfig` and the greedy continuations of the safetensors directory (engine against
+engine; the family tests compare the directories with transformers). A Q8_0 Phi-3 file also
+runs on its blocks (`quantization="gguf"`), fused `attn_qkv` / `ffn_up` included.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ MODELS = {
                                         sliding_window=8, pad_token_id=0), 0.0),
     "phi3": ("Phi3Config", dict(sliding_window=8, original_max_position_embeddings=128,
                                 pad_token_id=0), 1.0),
+    "llama-llama3": ("LlamaConfig", dict(head_dim=16, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), 1.0),
     "phi3-longrope": ("Phi3Config", dict(
         original_max_position_embeddings=16, pad_token_id=0,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
@@ -153,6 +156,8 @@ def write_gguf(hf_dir: str, arch: str, qtype: str = "F32") -> str:
         else:
             writer.add_tensor(new_name, data)
     rope = cfg.get("rope_parameters") or {}
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg, rope))
     if arch == "phi3" and rope.get("rope_type") == "longrope":
         scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
         original = cfg["original_max_position_embeddings"]
@@ -165,6 +170,27 @@ def write_gguf(hf_dir: str, arch: str, qtype: str = "F32") -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_rope_freqs(cfg: dict, rope: dict) -> np.ndarray:
+    """The divisor of each rotary frequency that llama.cpp's converter stores for Llama 3's
+    scaling: 1 for wavelengths under `original / high_freq_factor`, `factor` over `original /
+    low_freq_factor`, between them the reciprocal of the interpolated multiplier."""
+    head_dim = cfg["head_dim"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    assert 1.0 in divisors and factor in divisors and len(set(divisors)) > 2  # three bands
+    return np.array(divisors, dtype=np.float32)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -182,8 +208,13 @@ def test_gguf_equals_its_safetensors_checkpoint(converted) -> None:
     _, hf_dir, path = converted
     reader = open_gguf(path)
     with open(os.path.join(hf_dir, "config.json")) as f:
-        want = dataclasses.asdict(config_from_hf(json.load(f)))
+        from_json = config_from_hf(json.load(f))
+    want = dataclasses.asdict(from_json)
     got = dataclasses.asdict(gguf_config(gguf_metadata(reader), reader.tensors))
+    if want["rope_scaling"] and want["rope_scaling"]["rope_type"] == "llama3":
+        # the file states each frequency's divisor, config.json the parameters they come from
+        assert_same_rotary(from_json, got["rope_scaling"])
+        want["rope_scaling"] = got["rope_scaling"]
     if want["rope_scaling"] and want["rope_scaling"]["rope_type"] == "longrope":
         # the file states LongRoPE's attention factor, config.json the factor it comes from
         factor = want["rope_scaling"].pop("factor")
@@ -196,6 +227,19 @@ def test_gguf_equals_its_safetensors_checkpoint(converted) -> None:
     from_gguf, _ = engine_greedy(path, BATCH, NEW_TOKENS, quantization="none", **SETTINGS)
     from_hf, _ = engine_greedy(hf_dir, BATCH, NEW_TOKENS, **SETTINGS)
     assert from_gguf == from_hf
+
+
+def assert_same_rotary(config, scaling: dict) -> None:
+    """The rotary tables of `config` equal those of its theta with `scaling` (float32 ulps)."""
+    from engine.model.rope import RotaryEmbedding
+
+    want = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                           config.max_position_embeddings)
+    got = RotaryEmbedding(config.head_dim, config.rope_theta, scaling,
+                          config.max_position_embeddings)
+    assert scaling["rope_type"] == "freq_factors"
+    torch.testing.assert_close(got.cos, want.cos, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.sin, want.sin, rtol=0, atol=1e-5)
 
 
 def test_phi3_q8_0_runs_on_its_fused_blocks(tmp_path) -> None:
@@ -220,7 +264,7 @@ def test_gguf_refuses_what_it_cannot_read() -> None:
             "llama.embedding_length": 64, "llama.feed_forward_length": 96,
             "llama.block_count": 2, "llama.vocab_size": 300}
     with pytest.raises(ValueError, match="rope_freqs"):
-        gguf_config(meta, ["rope_freqs.weight"])
+        gguf_config({**meta, "llama.rope.scaling.type": "linear"}, ["rope_freqs.weight"])
     with pytest.raises(ValueError, match="general.architecture 'falcon'"):
         gguf_config({**meta, "general.architecture": "falcon"}, [])
     with pytest.raises(ValueError, match="rope.dimension_count"):

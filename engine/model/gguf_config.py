@@ -11,8 +11,9 @@ writes them back under Hugging Face's names and puts in what llama.cpp assumes:
   has `rope.freq_base_swa`.
 - `phi3`: a `sliding_window` of 0 means none; LongRoPE's factors are the tensors
   `rope_factors_long` / `rope_factors_short`, its attention factor `rope.scaling.attn_factor`.
-Llama 3's rotary frequency factors, which the converter stores as the tensor `rope_freqs`
-rather than as parameters, are refused.
+- Llama 3's rotary scaling, which the converter stores as the tensor `rope_freqs` (a divisor of
+  each frequency) rather than as parameters, is the rotary scaling `freq_factors`
+  (engine/model/rope.py).
 """
 
 from __future__ import annotations
@@ -126,10 +127,13 @@ def _uniform(meta: dict[str, Any], key: str, required: bool = False) -> Any:
 def _rope_scaling(meta: dict[str, Any], arch: str,
                   tensors: dict[str, Any]) -> dict[str, Any] | None:
     """The rotary scaling the metadata states, as Hugging Face writes it."""
-    if "rope_freqs.weight" in tensors:
-        raise ValueError("model: GGUF tensor 'rope_freqs' (rotary frequency factors, as Llama "
-                         "3's scaling is stored) is not supported")
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensors:  # Llama 3's scaling, as the converter stores it
+        if kind not in (None, "none"):
+            raise ValueError(f"model: GGUF tensor 'rope_freqs' with {arch}.rope.scaling.type="
+                             f"{kind!r} is not supported; expected one of them")
+        return {"rope_type": "freq_factors",
+                "freq_factors": _factors(tensors["rope_freqs.weight"], "rope_freqs.weight")}
     if kind in (None, "none"):
         return None
     factor = meta.get(f"{arch}.rope.scaling.factor")

@@ -58,7 +58,7 @@ _GLOBAL_NAMES = {
     "output": "lm_head",
 }
 #: Tensors that are settings rather than weights (the config reads them).
-_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
 #: Architectures whose converter stores RMSNorm weights as `1 + w`.
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 

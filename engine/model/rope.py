@@ -20,6 +20,9 @@ Scalings (`rope_type`, transformers' names; parameters from the scaling dict):
   `attention_factor` (default `sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`,
   `factor` defaulting to `max_position_embeddings / original_max_position_embeddings`).
 
+- `freq_factors` (not a transformers type: how a GGUF file states a scaling, llama.cpp's
+  `rope_freqs` tensor, which is how its converter stores Llama 3's): `inv_freq / freq_factors[i]`.
+
 `original_max_position_embeddings` defaults to `max_position_embeddings`, as transformers fills
 it in; a family whose config keeps it outside the scaling (Phi-3) copies it into the dict.
 
@@ -43,7 +46,7 @@ __all__ = ["RotaryEmbedding", "STATIC_TYPES", "SEQ_LEN_TYPES", "check_scaling", 
            "rope_type_of"]
 
 #: `rope_type`s whose tables depend on the position only.
-STATIC_TYPES = ("default", "linear", "llama3", "yarn")
+STATIC_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 #: `rope_type`s whose tables depend on the sequence's length too.
 SEQ_LEN_TYPES = ("dynamic", "longrope")
 #: Older spellings of a `rope_type`.
@@ -51,7 +54,8 @@ _ALIASES = {"su": "longrope"}
 #: The parameters each `rope_type` needs (`original_max_position_embeddings` has a default).
 _REQUIRED = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-             "yarn": ("factor",), "longrope": ("short_factor", "long_factor")}
+             "yarn": ("factor",), "longrope": ("short_factor", "long_factor"),
+             "freq_factors": ("freq_factors",)}
 #: The positive numbers each `rope_type` may be given.
 _NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast",
             "beta_slow", "mscale", "mscale_all_dim")
@@ -88,7 +92,7 @@ def check_scaling(scaling: Optional[dict[str, Any]]) -> str:
     if orig is not None and (isinstance(orig, bool) or not isinstance(orig, int) or orig < 1):
         raise ValueError(f"rope_scaling: original_max_position_embeddings: expected an int >= 1, "
                          f"got {orig!r}")
-    for key in ("short_factor", "long_factor"):
+    for key in ("short_factor", "long_factor", "freq_factors"):
         if key in scaling and not _positive_list(scaling[key]):
             raise ValueError(f"rope_scaling: {key}: expected a list of numbers > 0, got "
                              f"{scaling[key]!r}")
@@ -193,10 +197,20 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any],
 
 def _longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
     """LongRoPE's frequencies: `1 / (factors[i] * theta^(2i / head_dim))`."""
-    if len(factors) != head_dim // 2:
-        raise ValueError(f"rope_scaling: short_factor / long_factor: expected {head_dim // 2} "
-                         f"numbers (head_dim / 2), got {len(factors)}")
+    _check_length(factors, head_dim, "short_factor / long_factor")
     return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** _exponents(head_dim))
+
+
+def _freq_factors_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """llama.cpp's `rope_freqs`: `1 / theta^(2i / head_dim) / factors[i]`."""
+    _check_length(factors, head_dim, "freq_factors")
+    return _default_inv_freq(head_dim, theta) / torch.tensor(factors, dtype=torch.float32)
+
+
+def _check_length(factors: list[float], head_dim: int, name: str) -> None:
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"rope_scaling: {name}: expected {head_dim // 2} numbers "
+                         f"(head_dim / 2), got {len(factors)}")
 
 
 def _tables(inv_freq: torch.Tensor, positions: torch.Tensor,
@@ -258,6 +272,8 @@ class RotaryEmbedding:
             return _longrope_inv_freq(d, theta, s["short_factor"]), self._longrope_attention()
         if self.rope_type == "dynamic":
             return self._dynamic_inv_freq(None), 1.0
+        if self.rope_type == "freq_factors":
+            return _freq_factors_inv_freq(d, theta, s["freq_factors"]), 1.0
         return _default_inv_freq(d, theta), 1.0
 
     def _longrope_attention(self) -> float:
