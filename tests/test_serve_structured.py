@@ -172,3 +172,85 @@ def test_best_of_returns_the_n_most_likely_of_its_candidates(client, model):
 def test_bad_fields_are_400_naming_them(http, path, body, param, says):
     err = error_of(http.post(path, json=body))
     assert err["param"] == param and says in err["message"], err
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def check_call(call, tools=(WEATHER, TIME)) -> None:
+    spec = next(t["function"] for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), spec["parameters"])
+    assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_named_and_required_tool_choice_give_valid_calls_and_a_round_trip(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=40, temperature=0.0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    check_call(call)
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME],
+                                       tool_choice="required", max_tokens=60, temperature=1.0,
+                                       seed=2, n=2)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls
+        for each in c.message.tool_calls:
+            check_call(each)
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    final = client.chat.completions.create(model=model, messages=history, tools=[WEATHER],
+                                           tool_choice="none", max_tokens=12)
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_streamed_tool_calls_have_the_openai_shape(client, model):
+    stream = client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=40,
+        temperature=0.0, stream=True)
+    chunks = [c for c in stream if c.choices]
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert calls and calls[0].index == 0 and calls[0].id.startswith("call_")
+    assert calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads("".join(tc.function.arguments for tc in calls)),
+                        WEATHER["function"]["parameters"])
+
+
+def test_auto_reads_hermes_tool_calls_and_leaves_other_text():
+    from engine.server.tools import ToolCalls
+
+    auto = ToolCalls({"f": {"type": "object"}}, "auto")
+    text = 'Let me check.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    content, calls = auto.parse(text + '<tool_call>not json</tool_call>')
+    assert content == "Let me check.<tool_call>not json</tool_call>"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == [("f", {"x": 1})]
+    assert auto.parse("Just text.") == ("Just text.", [])
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "expected the name of one of the tools ['get_weather'], got 'nope'"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "with response_format"),
+])
+def test_bad_tool_choices_are_400(http, body, param, says):
+    err = error_of(http.post("/v1/chat/completions",
+                             json={"messages": ASK, "tools": [WEATHER], **body}))
+    assert err["param"] == param and says in err["message"], err
+
+
+def test_tool_choice_without_tools_is_400(http):
+    err = error_of(http.post("/v1/chat/completions",
+                             json={"messages": ASK, "tool_choice": "required"}))
+    assert err["param"] == "tool_choice" and "without tools" in err["message"], err

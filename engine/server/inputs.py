@@ -77,14 +77,17 @@ def prompt_ids(tokenizer: Any, prompt: Union[str, list[int]], add_special_tokens
 
 def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest,
                     max_model_len: Optional[int] = None) -> list[int]:
-    """The token ids of `req.messages` rendered by the model's chat template; any template
+    """The token ids of `req.messages` rendered by the model's chat template (with the tools
+    when they are to be used; a template that takes none ignores them); any template
     error is the request's fault (400, param "messages"). With `max_model_len`, a rendering
     that cannot fit (`check_text_fits`, with the request's max tokens) is refused before
     encoding."""
     messages = [m.as_template_dict() for m in req.messages]
     try:
+        tools = req.template_tools()
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt)
+            messages, add_generation_prompt=req.add_generation_prompt,
+            **({"tools": tools} if tools else {}))
     except ValueError as exc:
         raise APIError(400, f"messages: {exc}", "messages") from None
     except Exception as exc:  # a template error is the request's fault

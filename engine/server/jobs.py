@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Optional, Protocol
 from engine.server import responses as R
 from engine.server.async_engine import RequestDelta
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
-
+from engine.server.tools import ToolCalls
 
 
 class OpenAIServer(Protocol):
@@ -99,15 +99,22 @@ class CompletionJob:
 
 
 class ChatJob:
-    """Turns the deltas of one chat request into OpenAI's chat response or stream chunks."""
+    """Turns the deltas of one chat request into OpenAI's chat response or stream chunks.
+
+    With tools in use (`tools.active`) each reply is read as tool calls once it has finished
+    (`ToolCalls.parse`): a streamed choice then sends its content and its calls (each call's
+    arguments whole) in one chunk at its end, with finish_reason "tool_calls" when it made
+    any."""
 
     def __init__(self, server: OpenAIServer, req: ChatCompletionRequest, request_id: str,
-                 num_prompt_tokens: int, num_logprobs: Optional[int]) -> None:
+                 num_prompt_tokens: int, num_logprobs: Optional[int],
+                 tools: Optional[ToolCalls] = None) -> None:
         self.server, self.req, self.request_id = server, req, request_id
         self.created = int(time.time())
         self.num_prompt_tokens = num_prompt_tokens
         self.num_logprobs = num_logprobs
         self.num_output = 0
+        self.tools = tools if tools is not None and tools.active else None
 
     def _logprobs(self, ch: Any) -> Optional[list[dict[str, Any]]]:
         if self.num_logprobs is None:
@@ -128,11 +135,43 @@ class ChatJob:
                 texts.setdefault(ch.index, []).append(ch.text)
                 lps.setdefault(ch.index, []).extend(self._logprobs(ch) or [])
                 ends[ch.index] = (ch.finish_reason, ch.stop_reason)
-        choices = [R.chat_choice(i, "".join(texts[i]),
-                                 lps[i] if self.num_logprobs is not None else None, *ends[i])
+        choices = [self._choice(i, "".join(texts[i]),
+                                lps[i] if self.num_logprobs is not None else None, *ends[i])
                    for i in sorted(texts)]
         return R.chat_body(self.request_id, self.created, self.server.model_name, choices,
                            self._usage())
+
+    def _choice(self, index: int, text: str, logprobs: Optional[list[dict[str, Any]]],
+                finish_reason: Optional[str], stop_reason: Any) -> dict[str, Any]:
+        if self.tools is None:
+            return R.chat_choice(index, text, logprobs, finish_reason, stop_reason)
+        content, calls = self.tools.parse(text)
+        return R.chat_choice(index, content, logprobs,
+                             "tool_calls" if calls else finish_reason, stop_reason, calls)
+
+    def _held_choices(self, delta: RequestDelta, held: dict[int, list[Any]]
+                      ) -> list[dict[str, Any]]:
+        """Tool mode: each choice's text and logprobs kept until it finishes, then its content
+        and tool calls as one chunk choice."""
+        out = []
+        for ch in delta.choices:
+            parts = held.setdefault(ch.index, [[], []])
+            parts[0].append(ch.text)
+            parts[1].extend(self._logprobs(ch) or [])
+            if ch.finish_reason is None:
+                continue
+            whole = self._choice(ch.index, "".join(parts[0]), None, ch.finish_reason,
+                                 ch.stop_reason)
+            message = whole["message"]
+            body: dict[str, Any] = {"content": message["content"]} if message["content"] \
+                else {}
+            if "tool_calls" in message:
+                body["tool_calls"] = [dict(call, index=k)
+                                      for k, call in enumerate(message["tool_calls"])]
+            out.append(R.chat_chunk_choice(ch.index, body, parts[1]
+                                           if self.num_logprobs is not None else None,
+                                           whole["finish_reason"], ch.stop_reason))
+        return out
 
     async def stream(self, deltas: Deltas) -> AsyncIterator[bytes]:
         """A first chunk with each choice's assistant role, one chunk per delta with choices,
@@ -144,12 +183,16 @@ class ChatJob:
         chunk = encoder.event
         yield chunk([R.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)
                      for i in range(self.req.n)])
+        held: dict[int, list[Any]] = {}
         async for _, delta in deltas:
             self.num_output = delta.num_output_tokens
-            choices = [R.chat_chunk_choice(ch.index, {"content": ch.text} if ch.text else {},
-                                           self._logprobs(ch), ch.finish_reason,
-                                           ch.stop_reason)
-                       for ch in delta.choices]
+            if self.tools is not None:
+                choices = self._held_choices(delta, held)
+            else:
+                choices = [R.chat_chunk_choice(ch.index, {"content": ch.text} if ch.text
+                                               else {}, self._logprobs(ch), ch.finish_reason,
+                                               ch.stop_reason)
+                           for ch in delta.choices]
             if choices:
                 yield chunk(choices)
         if self.req.include_usage:

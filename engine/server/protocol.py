@@ -11,6 +11,7 @@ built in `engine.server.app`.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import (
@@ -28,6 +29,7 @@ from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, StructuredOutputsParams
 from engine.server.errors import INVALID_UNICODE, APIError, encodable
+from engine.server.tools import ToolCalls
 
 #: Most top log-probabilities a request may ask for per token (OpenAI's limit).
 MAX_LOGPROBS = 20
@@ -303,20 +305,76 @@ class TextPart(_Model):
     text: StrictStr
 
 
+class FunctionCall(_Model):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(_Model):
+    """An assistant message's earlier tool call (`tool_calls` in OpenAI's shape)."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
-    """One chat message; `content` is a string or a list of text parts (joined)."""
+    """One chat message; `content` is a string or a list of text parts (joined). An assistant
+    message may carry its `tool_calls`; a "tool" message answers one by `tool_call_id`."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Optional[Union[StrictStr, list[TextPart]]] = None
     name: Optional[StrictStr] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[StrictStr] = None
 
     def as_template_dict(self) -> dict[str, Any]:
-        """The dict the chat template sees (`role`, `content` as one string)."""
+        """The dict the chat template sees (`role`, `content` as one string; `tool_calls`
+        with their arguments as objects when they are JSON, as templates expect;
+        `tool_call_id`)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(_Model):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class Tool(_Model):
+    """One entry of `tools`: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: StrictStr
+
+
+class NamedToolChoice(_Model):
+    """`tool_choice` naming one function: the reply is a call of it."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -328,16 +386,38 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: Optional[list[Any]]) -> Optional[list[Any]]:
-        if value:
-            raise ValueError("tools are not supported by this server; leave them out")
-        return value
+    def tool_calls(self) -> ToolCalls:
+        """How this request's tools are used (`engine.server.tools`): `tool_choice`, by
+        default "auto" with tools and "none" without."""
+        functions = {t.function.name: t.function.parameters or {"type": "object"}
+                     for t in self.tools or ()}
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return ToolCalls(functions, choice.function.name, named=True)
+        return ToolCalls(functions, choice or ("auto" if functions else "none"))
+
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        """The tools as the chat template sees them (None when they are not to be used)."""
+        if not self.tools or not self.tool_calls().active:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def constraint(self) -> Optional[tuple[StructuredOutputsParams, str]]:
+        """As for completions, plus the constraint of a named or "required" `tool_choice`
+        (400 when `response_format` or `structured_outputs` constrains the reply too)."""
+        found = super().constraint()
+        tools = self.tool_calls().constraint()
+        if tools is None:
+            return found
+        if found is not None:
+            raise APIError(400, f"tool_choice: expected 'none' or 'auto' with {found[1]}, got "
+                           "a choice that constrains the reply too", "tool_choice")
+        return tools, "tools"
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

@@ -117,9 +117,14 @@ def completion_body(request_id: str, created: int, model: str, choices: list[dic
 
 
 # ---------------------------------------------------------------------------------- chat
-def chat_choice(index: int, content: str, logprobs: Optional[list[dict[str, Any]]],
-                finish_reason: Optional[str], stop_reason: Any) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": content},
+def chat_choice(index: int, content: Optional[str], logprobs: Optional[list[dict[str, Any]]],
+                finish_reason: Optional[str], stop_reason: Any,
+                tool_calls: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+    """One chat choice; `tool_calls` (OpenAI's entries) added to the message when given."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message,
             "logprobs": None if logprobs is None else {"content": logprobs},
             "finish_reason": finish_reason, "stop_reason": stop_reason}
 

@@ -153,10 +153,11 @@ class OpenAIServer:
         """POST /v1/chat/completions: the messages rendered by the chat template."""
         self.check_cheap_bounds(req)
         num_logprobs = req.num_logprobs
+        tools = req.tool_calls()
         ids, params = await self.in_worker(self._chat_inputs, req, num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await add_all(self.engine, request_id, [ids], [params])
-        job = ChatJob(self, req, request_id, len(ids), num_logprobs)
+        job = ChatJob(self, req, request_id, len(ids), num_logprobs, tools)
         if req.stream:
             return sse_response(job.stream(merge(streams)))
         return JSONResponse(await until_disconnect(raw, job.collect(merge(streams))))
