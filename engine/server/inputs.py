@@ -122,7 +122,7 @@ def output_controls(engine: Any, req: Any) -> dict[str, Any]:
     engine); 400 naming the field at fault (a schema, regex or grammar that does not
     compile)."""
     kwargs: dict[str, Any] = {}
-    bias = req.logit_bias_ids(engine.model_config.vocab_size)
+    bias = req.logit_bias_ids(engine.model_config.vocab_size) if req.logit_bias else None
     if bias:
         kwargs["logit_bias"] = bias
     found = req.constraint()
