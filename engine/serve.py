@@ -15,7 +15,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from engine.config import KV_ALLOCATIONS, KV_CACHE_DTYPES, QUANTIZATION_MODES
-from engine.server import access, connections, limits, shutdown
+from engine.server import access, connections, limits, model_options, shutdown
 
 #: Environment variable read when no flag gives the API key (then vLLM's VLLM_API_KEY).
 API_KEY_ENV = access.API_KEY_ENVS[0]
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse (429) new requests while this many already wait")
     p.add_argument("--max-request-bytes", type=parse_size, default=4 << 20,
                    help="largest request body accepted (413 beyond), default 4MiB")
+    model_options.add_arguments(p)
     limits.add_arguments(p)
     connections.add_arguments(p)
     shutdown.add_arguments(p)
@@ -121,9 +122,12 @@ def served_names(model: Optional[str], served: Optional[str]) -> list[str]:
     return names + [n for n in (base, model) if n and n not in names]
 
 
-def engine_builder(args: argparse.Namespace) -> Any:
+def engine_builder(args: argparse.Namespace,
+                   options: Optional[model_options.ModelOptions] = None) -> Any:
     """A zero-argument callable that loads the model and returns the `LLMEngine` (run in the
-    engine thread, so the HTTP port is open while it loads)."""
+    engine thread, so the HTTP port is open while it loads), on `options.device` and with
+    `options.chat_template` in place of the model's when given."""
+    options = options or model_options.ModelOptions()
 
     def build() -> Any:
         import torch
@@ -143,7 +147,9 @@ def engine_builder(args: argparse.Namespace) -> Any:
             kv_allocation=args.kv_allocation, kv_cache_dtype=args.kv_cache_dtype,
             calculate_kv_scales=args.calculate_kv_scales)
         dtype = getattr(torch, _DTYPES[args.dtype])
-        engine = LLMEngine(args.model, dtype=dtype, config=config)
+        engine = LLMEngine(args.model, dtype=dtype, config=config, device=options.device)
+        if options.chat_template is not None:
+            engine.tokenizer.chat_template = options.chat_template
         _log_engine(engine)
         return engine
 
@@ -173,7 +179,8 @@ def _log_engine(engine: Any) -> None:
 
 def check_args(args: argparse.Namespace) -> tuple[limits.ServerLimits,
                                                    connections.ConnectionSettings,
-                                                   access.AccessSettings]:
+                                                   access.AccessSettings,
+                                                   model_options.ModelOptions]:
     """The settings the parsed flags give; exits through argparse's error (naming the flag)
     when a value is out of range, a key is empty or its file unreadable."""
     if args.max_queue is not None and args.max_queue < 1:
@@ -182,7 +189,8 @@ def check_args(args: argparse.Namespace) -> tuple[limits.ServerLimits,
         build_parser().error(f"--shutdown-timeout: expected seconds >= 0, got "
                              f"{args.shutdown_timeout:g}")
     try:
-        return limits.from_args(args), connections.from_args(args), access.from_args(args)
+        return (limits.from_args(args), connections.from_args(args), access.from_args(args),
+                model_options.from_args(args))
     except ValueError as exc:
         message = str(exc)
         flag = message if message.startswith(("--", "$")) else "--" + message.replace("_", "-")
@@ -192,7 +200,7 @@ def check_args(args: argparse.Namespace) -> tuple[limits.ServerLimits,
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    server_limits, conn, who = check_args(args)
+    server_limits, conn, who, options = check_args(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
@@ -203,9 +211,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from engine.server.routes import OpenAIServer
 
     names = served_names(args.model, args.served_model_name)
-    engine = AsyncEngine(engine_builder(args), ServerMetrics(names[0]), max_queue=args.max_queue)
+    engine = AsyncEngine(engine_builder(args, options), ServerMetrics(names[0]),
+                         max_queue=args.max_queue)
     drain = shutdown.Drain()
-    app = create_app(OpenAIServer(engine, names, server_limits), api_key=who.api_key,
+    app = create_app(OpenAIServer(engine, names, server_limits, options.tool_call_parser),
+                     api_key=who.api_key,
                      max_request_bytes=args.max_request_bytes,
                      enable_debug_endpoints=args.enable_debug_endpoints,
                      allowed_hosts=who.allowed_hosts, cors=who.cors, drain=drain,

@@ -63,7 +63,7 @@ def test_kv_allocation_reaches_the_engine_config(argv, policy, monkeypatch):
 
     built = []
     monkeypatch.setattr(engine.llm_engine, "LLMEngine",
-                        lambda model, dtype, config: built.append(config) or config)
+                        lambda model, dtype, config, device: built.append(config) or config)
     monkeypatch.setattr(engine.serve, "_log_engine", lambda engine: None)
     engine_builder(build_parser().parse_args(argv))()
     assert built[0].kv_allocation == policy
@@ -79,7 +79,7 @@ def test_kv_cache_dtype_reaches_the_engine_config(argv, cache_dtype, calibrate, 
 
     built = []
     monkeypatch.setattr(engine.llm_engine, "LLMEngine",
-                        lambda model, dtype, config: built.append(config) or config)
+                        lambda model, dtype, config, device: built.append(config) or config)
     monkeypatch.setattr(engine.serve, "_log_engine", lambda engine: None)
     engine_builder(build_parser().parse_args(argv))()
     assert (built[0].kv_cache_dtype, built[0].calculate_kv_scales) == (cache_dtype, calibrate)
@@ -105,7 +105,7 @@ def test_connection_shutdown_and_access_flags_parse(tmp_path):
         "--timeout-body-read", "4.5", "--shutdown-timeout", "0", "--api-key-file", str(key_file),
         "--allowed-hosts", "api.example.com,localhost", "--allowed-origins", '["http://a.b"]',
         "--allowed-methods", "GET,POST", "--allow-credentials"])
-    _, conn, who = check_args(args)
+    _, conn, who, _ = check_args(args)
     assert (conn.limit_concurrency, conn.timeout_keep_alive, conn.timeout_header_read,
             conn.timeout_body_read) == (64, 2.0, 3.0, 4.5)
     assert args.shutdown_timeout == 0.0 and who.api_key == "k3y"
@@ -126,3 +126,52 @@ def test_bad_connection_shutdown_and_access_values_exit_naming_the_flag(argv, fl
     with pytest.raises(SystemExit):
         check_args(build_parser().parse_args(argv))
     assert f"error: {flag}:" in capsys.readouterr().err
+
+
+# ------------------------------------------------ --device, --chat-template, --tool-call-parser
+def test_model_option_flags(tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    args = build_parser().parse_args(["--device", "cpu", "--chat-template", str(path),
+                                      "--tool-call-parser", "llama3_json"])
+    *_, options = check_args(args)
+    assert (options.device, options.chat_template, options.tool_call_parser) == (
+        "cpu", template, "llama3_json")
+    *_, inline = check_args(build_parser().parse_args(["--chat-template", template]))
+    assert inline.chat_template == template
+    *_, default = check_args(build_parser().parse_args([]))
+    assert (default.device, default.chat_template, default.tool_call_parser) == (
+        "cpu", None, "hermes")
+
+
+@pytest.mark.parametrize("argv", [["--device", "tpu"], ["--device", "cuda:7"],
+                                  ["--chat-template", "no-such-file.jinja"],
+                                  ["--chat-template", "{% for m in messages %}"]])
+def test_bad_model_options_exit_naming_the_flag(argv, capsys):
+    import torch
+
+    if argv[:2] == ["--device", "cuda:7"] and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    with pytest.raises(SystemExit):
+        check_args(build_parser().parse_args(argv))
+    assert f"error: {argv[0]}:" in capsys.readouterr().err
+
+
+def test_engine_builder_puts_the_chat_template_in_place(tmp_path):
+    import transformers
+
+    from engine.server.model_options import ModelOptions
+    from family_case import write_checkpoint
+
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      max_position_embeddings=64)
+    path = write_checkpoint(str(tmp_path), config)
+    args = build_parser().parse_args(["--model", path, "--dtype", "float32",
+                                      "--num-kv-blocks", "8"])
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    engine = engine_builder(args, ModelOptions(chat_template=template))()
+    assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                add_generation_prompt=False) == "[hi]"
+    assert engine.device.type == "cpu"

@@ -391,15 +391,16 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False
 
-    def tool_calls(self) -> ToolCalls:
+    def tool_calls(self, parser: str = "hermes") -> ToolCalls:
         """How this request's tools are used (`engine.server.tools`): `tool_choice`, by
-        default "auto" with tools and "none" without."""
+        default "auto" with tools and "none" without; "auto" replies read by `parser` (a
+        name of `TOOL_CALL_PARSERS`)."""
         functions = {t.function.name: t.function.parameters or {"type": "object"}
                      for t in self.tools or ()}
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
-            return ToolCalls(functions, choice.function.name, named=True)
-        return ToolCalls(functions, choice or ("auto" if functions else "none"))
+            return ToolCalls(functions, choice.function.name, named=True, parser=parser)
+        return ToolCalls(functions, choice or ("auto" if functions else "none"), parser=parser)
 
     def template_tools(self) -> Optional[list[dict[str, Any]]]:
         """The tools as the chat template sees them (None when they are not to be used)."""

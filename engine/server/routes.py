@@ -50,14 +50,17 @@ T = TypeVar("T")
 
 class OpenAIServer:
     """The endpoints' logic for one served model. `model_names`: the names a request may use
-    (the first is the one reported); `limits`: the per-request bounds (`engine.server.limits`)."""
+    (the first is the one reported); `limits`: the per-request bounds (`engine.server.limits`);
+    `tool_call_parser`: how "auto" tool-call replies are read (`engine.server.tools`)."""
 
     def __init__(self, engine: AsyncEngine, model_names: list[str],
-                 limits: Optional[ServerLimits] = None) -> None:
+                 limits: Optional[ServerLimits] = None, tool_call_parser: str = "hermes"
+                 ) -> None:
         assert model_names, "at least one served model name"
         self.engine = engine
         self.model_names = model_names
         self.limits = limits or ServerLimits()
+        self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
         self._workers = ThreadPoolExecutor(NUM_INPUT_WORKERS, thread_name_prefix="inputs")
 
@@ -153,7 +156,7 @@ class OpenAIServer:
         """POST /v1/chat/completions: the messages rendered by the chat template."""
         self.check_cheap_bounds(req)
         num_logprobs = req.num_logprobs
-        tools = req.tool_calls()
+        tools = req.tool_calls(self.tool_call_parser)
         ids, params = await self.in_worker(self._chat_inputs, req, num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await add_all(self.engine, request_id, [ids], [params])
