@@ -60,3 +60,28 @@ def test_chat_uses_the_checkpoint_template_and_equals_the_engine(server, qwen3_d
         messages, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert list(offline[0].prompt_token_ids) == ids
     assert reply.choices[0].message.content == offline[0].outputs[0].text
+
+
+def test_beam_search_through_the_server_equals_the_offline_search(server, qwen3_dir):
+    """`use_beam_search` (vLLM's extra field; `n` is the beam width) runs one-token engine
+    requests per beam and step; its hypotheses equal `LLM.beam_search` on the same model."""
+    from engine import LLM
+    from engine.sampling_params import BeamSearchParams
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
+    prompt = list(range(10, 23))
+    reply = client.completions.create(model=os.path.basename(qwen3_dir), prompt=prompt, n=3,
+                                      max_tokens=6, extra_body={"use_beam_search": True,
+                                                                "ignore_eos": True})
+    offline = LLM(qwen3_dir, dtype=torch.float32, block_size=4, num_kv_blocks=64).beam_search(
+        [{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=6,
+                                                         ignore_eos=True))[0]
+    assert [c.text for c in reply.choices] == [s.text for s in offline.sequences]
+    assert reply.usage.completion_tokens == sum(len(s.token_ids) for s in offline.sequences)
+    for extra, field in [({"stream": True}, "stream"), ({"n": 11}, "n"),
+                         ({"temperature": 0.7}, "temperature")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=os.path.basename(qwen3_dir), prompt=prompt,
+                                      max_tokens=4, **{"n": 2, **extra},
+                                      extra_body={"use_beam_search": True})
+        assert err.value.body["param"] == field

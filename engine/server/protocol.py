@@ -183,6 +183,32 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     structured_outputs: Optional[StructuredOutputs] = None
+    use_beam_search: StrictBool = False
+    length_penalty: StrictFloat = 1.0
+
+    def check_beam_search(self) -> None:
+        """With `use_beam_search` (`n` is the beam width, engine/server/beam_search.py): 400
+        naming the first field it cannot go with (streaming, sampling, `n` above the widest
+        search, logit_bias, constrained output)."""
+        if not self.use_beam_search:
+            return
+        from engine.server.beam_search import MAX_BEAM_WIDTH
+
+        conflicts = [("stream", self.stream, "false"), ("stop", bool(self.stop), "unset"),
+                     ("n", self.n > MAX_BEAM_WIDTH, f"at most {MAX_BEAM_WIDTH} (the beam width)"),
+                     ("temperature", bool(self.temperature), "0 or unset (the search ranks the "
+                                                             "model's own log-probabilities)"),
+                     ("logit_bias", bool(self.logit_bias), "unset"),
+                     ("best_of", getattr(self, "best_of", None) not in (None, self.n),
+                      "unset or n"),
+                     ("tools", bool(getattr(self, "tools", None)), "unset")]
+        found = self.constraint()
+        if found is not None:
+            conflicts.append((found[1], True, "unset (no constrained output)"))
+        for field, conflict, expected in conflicts:
+            if conflict:
+                raise APIError(400, f"{field}: expected {expected} with use_beam_search, got "
+                               f"{getattr(self, field)!r}", field)
 
     def logit_bias_ids(self, vocab_size: int) -> Optional[dict[int, float]]:
         """`logit_bias` with int keys; 400 naming `logit_bias` for a key that is not a token

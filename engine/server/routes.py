@@ -30,7 +30,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.server import inputs
+from engine.server import responses as R
 from engine.server.async_engine import AsyncEngine
+from engine.server.beam_search import beam_search
 from engine.server.errors import APIError
 from engine.server.jobs import ChatJob, CompletionJob
 from engine.server.limits import ServerLimits
@@ -111,11 +113,15 @@ class OpenAIServer:
         """POST /v1/completions: one engine request per prompt."""
         self.check_cheap_bounds(req)
         req.check_best_of()
+        req.check_beam_search()
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo: prompt logprobs are not supported; use echo without "
                            "logprobs", "echo")
         prompts, params = await self.in_worker(self._completion_inputs, req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        if req.use_beam_search:
+            work = self._beam_body(req, request_id, prompts, params, chat=False)
+            return JSONResponse(await until_disconnect(raw, work))
         streams = await add_all(self.engine, request_id, prompts, params)
         job = CompletionJob(self, req, request_id, prompts)
         if req.stream:
@@ -155,15 +161,39 @@ class OpenAIServer:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions: the messages rendered by the chat template."""
         self.check_cheap_bounds(req)
+        req.check_beam_search()
         num_logprobs = req.num_logprobs
         tools = req.tool_calls(self.tool_call_parser)
         ids, params = await self.in_worker(self._chat_inputs, req, num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.use_beam_search:
+            work = self._beam_body(req, request_id, [ids], [params], chat=True)
+            return JSONResponse(await until_disconnect(raw, work))
         streams = await add_all(self.engine, request_id, [ids], [params])
         job = ChatJob(self, req, request_id, len(ids), num_logprobs, tools)
         if req.stream:
             return sse_response(job.stream(merge(streams)))
         return JSONResponse(await until_disconnect(raw, job.collect(merge(streams))))
+
+    async def _beam_body(self, req: Any, request_id: str, prompts: list[list[int]],
+                         params: list[Any], chat: bool) -> dict[str, Any]:
+        """The response to a `use_beam_search` request: each prompt's `n` best hypotheses
+        (engine/server/beam_search.py), best first, as its choices."""
+        eos = set(self.engine.engine.eos_token_ids)
+        choices, generated = [], 0
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            found = await beam_search(self.engine, f"{request_id}-{i}", ids, req.n,
+                                      p.max_tokens, eos, req.ignore_eos, req.length_penalty)
+            for k, hyp in enumerate(found):
+                text = await self.in_worker(self.tokenizer.decode, hyp.token_ids,
+                                            req.skip_special_tokens)
+                generated += len(hyp.token_ids)
+                choices.append(R.chat_choice(k, text, None, hyp.finish_reason, None) if chat
+                               else R.completion_choice(i * req.n + k, text, None,
+                                                        hyp.finish_reason, None))
+        usage = R.usage(sum(map(len, prompts)), generated)
+        body = R.chat_body if chat else R.completion_body
+        return body(request_id, self.created, self.model_name, choices, usage)
 
     def models(self) -> dict[str, Any]:
         """GET /v1/models: the one served model."""
