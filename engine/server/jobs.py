@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Optional, Protocol
 from engine.server import responses as R
 from engine.server.async_engine import RequestDelta
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.tool_stream import ToolCallStream
 from engine.server.tools import ToolCalls
 
 
@@ -102,9 +103,9 @@ class ChatJob:
     """Turns the deltas of one chat request into OpenAI's chat response or stream chunks.
 
     With tools in use (`tools.active`) each reply is read as tool calls once it has finished
-    (`ToolCalls.parse`): a streamed choice then sends its content and its calls (each call's
-    arguments whole) in one chunk at its end, with finish_reason "tool_calls" when it made
-    any."""
+    (`ToolCalls.parse`); streamed, a choice sends its content and its calls' names and
+    argument pieces as they are written (`ToolCallStream`), with finish_reason "tool_calls"
+    when it made any."""
 
     def __init__(self, server: OpenAIServer, req: ChatCompletionRequest, request_id: str,
                  num_prompt_tokens: int, num_logprobs: Optional[int],
@@ -149,28 +150,27 @@ class ChatJob:
         return R.chat_choice(index, content, logprobs,
                              "tool_calls" if calls else finish_reason, stop_reason, calls)
 
-    def _held_choices(self, delta: RequestDelta, held: dict[int, list[Any]]
+    def _tool_choices(self, delta: RequestDelta, streams: dict[int, ToolCallStream]
                       ) -> list[dict[str, Any]]:
-        """Tool mode: each choice's text and logprobs kept until it finishes, then its content
-        and tool calls as one chunk choice."""
+        """Tool mode: each choice's content and tool-call deltas as its text arrives
+        (engine/server/tool_stream.py), one chunk choice per delta body; at its end the
+        finish reason ("tool_calls" when it made calls)."""
         out = []
         for ch in delta.choices:
-            parts = held.setdefault(ch.index, [[], []])
-            parts[0].append(ch.text)
-            parts[1].extend(self._logprobs(ch) or [])
-            if ch.finish_reason is None:
-                continue
-            whole = self._choice(ch.index, "".join(parts[0]), None, ch.finish_reason,
-                                 ch.stop_reason)
-            message = whole["message"]
-            body: dict[str, Any] = {"content": message["content"]} if message["content"] \
-                else {}
-            if "tool_calls" in message:
-                body["tool_calls"] = [dict(call, index=k)
-                                      for k, call in enumerate(message["tool_calls"])]
-            out.append(R.chat_chunk_choice(ch.index, body, parts[1]
-                                           if self.num_logprobs is not None else None,
-                                           whole["finish_reason"], ch.stop_reason))
+            stream = streams.setdefault(ch.index, ToolCallStream(self.tools))
+            bodies = stream.feed(ch.text)
+            logprobs = self._logprobs(ch)
+            finish = ch.finish_reason
+            if finish is not None:
+                last, called = stream.finish()
+                bodies += last
+                finish = "tool_calls" if called else finish
+            bodies = bodies or ([{}] if finish is not None or logprobs else [])
+            for k, body in enumerate(bodies):
+                final = k == len(bodies) - 1
+                out.append(R.chat_chunk_choice(ch.index, body, logprobs if final else None,
+                                               finish if final else None,
+                                               ch.stop_reason if final else None))
         return out
 
     async def stream(self, deltas: Deltas) -> AsyncIterator[bytes]:
@@ -183,11 +183,11 @@ class ChatJob:
         chunk = encoder.event
         yield chunk([R.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)
                      for i in range(self.req.n)])
-        held: dict[int, list[Any]] = {}
+        tool_streams: dict[int, ToolCallStream] = {}
         async for _, delta in deltas:
             self.num_output = delta.num_output_tokens
             if self.tools is not None:
-                choices = self._held_choices(delta, held)
+                choices = self._tool_choices(delta, tool_streams)
             else:
                 choices = [R.chat_chunk_choice(ch.index, {"content": ch.text} if ch.text
                                                else {}, self._logprobs(ch), ch.finish_reason,

@@ -31,7 +31,7 @@ from engine.server.errors import APIError
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _PYTHON_TAG = "<|python_tag|>"
-_MISTRAL_TAG = "[TOOL_CALLS]"
+MISTRAL_TAG = "[TOOL_CALLS]"
 #: (content, tool_calls) of a finished reply; content None when nothing is left of it.
 Parsed = tuple[Optional[str], list[dict[str, Any]]]
 
@@ -57,6 +57,7 @@ class ToolCalls:
     def __init__(self, functions: dict[str, dict[str, Any]], choice: str,
                  named: bool = False, parser: str = "hermes") -> None:
         self.functions, self.choice, self.named = functions, choice, named
+        self.parser_name = parser
         self.parser = TOOL_CALL_PARSERS[parser]
         if named and choice not in functions:
             raise APIError(400, f"tool_choice: expected the name of one of the tools "
@@ -140,7 +141,7 @@ def parse_llama3_json(text: str) -> Parsed:
 
 def parse_mistral(text: str) -> Parsed:
     """`[TOOL_CALLS]` then a JSON list of calls (module docstring)."""
-    head, tag, body = text.partition(_MISTRAL_TAG)
+    head, tag, body = text.partition(MISTRAL_TAG)
     value = _loads(body) if tag else None
     value = [value] if isinstance(value, dict) else value
     calls = [_json_call(v) for v in value] if isinstance(value, list) else [None]
