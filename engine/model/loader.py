@@ -77,8 +77,8 @@ def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
     approximate activations; same requirements); "none" (or None) keeps
     dense weights only; "auto" is "gguf" where that applies (a GGUF model on the CPU in float32
     or bfloat16 whose kernel builds with its AVX-512 path) and "none" elsewhere.
-    FileNotFoundError when nothing is at `model`; ValueError when it is not a loadable Llama,
-    or when "gguf" is asked for where it does not apply.
+    FileNotFoundError when nothing is at `model`; ValueError when it is not a model of a
+    supported family (docs/models.md), or when "gguf" is asked for where it does not apply.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {list(_DTYPES)}, got {dtype!r}")
