@@ -62,11 +62,15 @@ def layer_tensors(config: DecoderConfig) -> dict[str, tuple[str, Optional[int]]]
     return table
 
 
-def fused_parts() -> dict[str, list[str]]:
+def fused_parts(config: Optional[DecoderConfig] = None) -> dict[str, list[str]]:
     """Each projection of a decoder layer with the checkpoint sub-names of its parts, in row
-    order (e.g. "qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])."""
+    order, as `config`'s checkpoint stores them (`layer_tensors`; one part when it stores the
+    projection fused, as Phi-3's `self_attn.qkv_proj`), or as Llama's does for None (e.g.
+    "qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])."""
+    table = ({f"{key}.weight": target for key, target in LAYER_TENSORS.items()}
+             if config is None else layer_tensors(config))
     parts: dict[str, list[tuple[int, str]]] = {}
-    for key, (fused, index) in LAYER_TENSORS.items():
-        if fused.endswith("_proj"):
-            parts.setdefault(fused, []).append((index or 0, key))
-    return {fused: [key for _, key in sorted(found)] for fused, found in parts.items()}
+    for key, (param, index) in table.items():
+        if key.endswith(".weight") and param.endswith("_proj"):
+            parts.setdefault(param, []).append((index or 0, key[:-len(".weight")]))
+    return {param: [key for _, key in sorted(found)] for param, found in parts.items()}

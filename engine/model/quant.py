@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 
 from engine.config import QUANTIZATION_MODES
-from engine.model.checkpoint_names import layer_tensors
-from engine.model.config import DecoderConfig
+from engine.model.checkpoint_names import fused_parts
 from engine.model.gguf_blocks import BLOCK_BYTES, QK, GGUFBlocks
 from engine.model.quant_int8 import X_DTYPES, Int8Weight, bad_x, pack_int8
 
@@ -133,7 +132,7 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
     targets = [(f"layers.{i}.", f"model.layers.{i}.", layer)
                for i, layer in enumerate(model.layers)]
     for prefix, hf_prefix, layer in targets:
-        for fused, parts in _projection_parts(model.config).items():
+        for fused, parts in fused_parts(model.config).items():
             found = [by_name.get(hf_prefix + part + ".weight") for part in parts]
             if None in found or len({(b.qtype, b.cols) for b in found}) != 1:
                 continue
@@ -144,17 +143,6 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
         _attach(model, "lm_head", by_name[head], max_rows, int8)
         converted.append("lm_head")
     return converted
-
-
-def _projection_parts(config: DecoderConfig) -> dict[str, list[str]]:
-    """Each projection of a layer with the checkpoint sub-names of its parts in row order
-    (`checkpoint_names.layer_tensors`: one part when the checkpoint stores it fused, as
-    Phi-3's `self_attn.qkv_proj`)."""
-    parts: dict[str, list[tuple[int, str]]] = {}
-    for key, (param, index) in layer_tensors(config).items():
-        if key.endswith(".weight") and param.endswith("_proj"):
-            parts.setdefault(param, []).append((index or 0, key[:-len(".weight")]))
-    return {param: [key for _, key in sorted(found)] for param, found in parts.items()}
 
 
 def _attach(module: torch.nn.Module, name: str, blocks: GGUFBlocks, max_rows: Optional[int],
