@@ -165,8 +165,9 @@ async def _complete(engine: AsyncEngine, request_id: str) -> int:
 
 
 async def _two_in_flight(engine: AsyncEngine) -> list[Any]:
-    """Two long requests, each past its first delta."""
-    streams = [await engine.add(f"r{i}", [1, 2], _params(1000)) for i in range(2)]
+    """Two requests past their first delta that cannot finish before the test's fault fires
+    (a fake step takes microseconds: a thousand of them can run before the test goes on)."""
+    streams = [await engine.add(f"r{i}", [1, 2], _params(10 ** 6)) for i in range(2)]
     for stream in streams:
         await _first_delta(stream)
     return streams
