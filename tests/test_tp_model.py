@@ -1,9 +1,9 @@
 """The tensor-parallel model shard (engine/model/sharding.py) against the unsharded model.
 
-One launch of 4 processes (torch.multiprocessing, spawn, gloo on loopback, one thread each)
-runs every case: each rank loads its shard of a small random-weight checkpoint
-(tests/family_case.py) with `load_model(..., tp=...)` and runs a mixed prefill (one sequence in
-two chunks, windows shorter than the prompts) and decode steps through `forward` and
+One group of 4 ranks (the test's process and 3 spawned with torch.multiprocessing, gloo on
+loopback, one thread each) runs every case: each rank loads its shard of a small random-weight
+checkpoint (tests/family_case.py) with `load_model(..., tp=...)` and runs a mixed prefill (one
+sequence in two chunks, windows shorter than the prompts) and decode steps through `forward` and
 `compute_logits` on its own NaN-filled paged KV cache of its KV heads (the same random block
 tables on every rank); rank 0 then runs the unsharded model (one process, tp=SINGLE) on the same
 steps. The oracle is that unsharded model: every row of logits must match (float32) and so must
@@ -18,7 +18,6 @@ processes: the error for heads that do not split, and the shapes and bytes of a 
 
 from __future__ import annotations
 
-import json
 import random
 import socket
 from datetime import timedelta
@@ -29,6 +28,7 @@ import torch
 from engine.model import AttentionMetadata, DecoderConfig
 from engine.model.decoder import DecoderForCausalLM, check_tensor_parallel
 from engine.model.loader import load_model
+from engine.model.sharding import take_blocks
 from engine.parallel_state import SINGLE, TensorParallel
 from family_case import write_checkpoint
 
@@ -124,41 +124,59 @@ def _compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict[str, obj
             "argmax_equal": bool(torch.equal(got_all.argmax(-1), want_all.argmax(-1)))}
 
 
-def _rank_main(rank: int, port: int, paths: dict[str, str], out_file: str) -> None:
-    torch.set_num_threads(1)
+def _rank(rank: int, port: int, paths: dict[str, str]) -> dict[str, dict[str, object]]:
+    """Runs every case of `RUNS` as rank `rank` of `WORLD`; rank 0 returns each case's
+    comparison with the unsharded model (the other ranks an empty dict)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=60))
-    groups = {WORLD: None, 2: dist.new_group([0, 1])}  # every rank creates every group
-    results, references = {}, {}
-    for name, size in RUNS:
-        if rank >= size:
-            continue
-        loaded = load_model(paths[name], dtype=torch.float32,
-                            tp=TensorParallel(rank, size, groups[size]))
-        got = _run_steps(loaded.model, loaded.config.vocab_size)
-        if rank == 0:
-            if name not in references:
-                ref = load_model(paths[name], dtype=torch.float32, tp=SINGLE)
-                references[name] = _run_steps(ref.model, ref.config.vocab_size)
-            results[f"{name}-tp{size}"] = _compare(got, references[name])
-    dist.barrier()
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+    try:
+        groups = {WORLD: None, 2: dist.new_group([0, 1])}  # every rank creates every group
+        results, references = {}, {}
+        for name, size in RUNS:
+            if rank >= size:
+                continue
+            loaded = load_model(paths[name], dtype=torch.float32,
+                                tp=TensorParallel(rank, size, groups[size]))
+            got = _run_steps(loaded.model, loaded.config.vocab_size)
+            if rank == 0:
+                if name not in references:
+                    ref = load_model(paths[name], dtype=torch.float32, tp=SINGLE)
+                    references[name] = _run_steps(ref.model, ref.config.vocab_size)
+                results[f"{name}-tp{size}"] = _compare(got, references[name])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def _worker(index: int, port: int, paths: dict[str, str]) -> None:
+    """A spawned rank (1 .. WORLD-1); rank 0 is the test's own process."""
+    torch.set_num_threads(1)
+    _rank(index + 1, port, paths)
 
 
 @pytest.fixture(scope="module")
-def tp_results(checkpoints, tmp_path_factory) -> dict[str, dict[str, object]]:
+def tp_results(checkpoints) -> dict[str, dict[str, object]]:
+    """Rank 0 runs in this process (one interpreter fewer to start), ranks 1-3 are spawned."""
     import torch.multiprocessing as mp
 
-    out_file = str(tmp_path_factory.mktemp("tp_results") / "results.json")
-    mp.start_processes(_rank_main, args=(_free_port(), checkpoints, out_file), nprocs=WORLD,
-                       start_method="spawn")
-    with open(out_file) as f:
-        return json.load(f)
+    port = _free_port()
+    workers = mp.start_processes(_worker, args=(port, checkpoints), nprocs=WORLD - 1,
+                                 start_method="spawn", join=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = _rank(0, port, checkpoints)
+        while not workers.join():
+            pass
+    finally:
+        torch.set_num_threads(threads)
+        for process in workers.processes:
+            process.kill()
+            process.join()
+    return results
 
 
 @pytest.mark.parametrize("name,size", RUNS, ids=[f"{n}-tp{s}" for n, s in RUNS])
@@ -241,21 +259,43 @@ def test_kv_scales_from_the_file_are_cut_to_the_shard():
     assert k_scale.tolist() == [3.0, 4.0] and v_scale.tolist() == [0.5]
 
 
-def test_gguf_blocks_of_a_shard_match_its_dense_weights():
-    """The default GGUF model, rank 1 of 3, with its Q4_1/Q8_0 blocks: each projection's blocks
-    are this rank's rows (column-parallel) or 32-column blocks (row-parallel) of the file's, so
-    multiplying by them equals multiplying by the rank's dense shard."""
-    from engine.model.quant import QuantizedWeight, quantized_linear
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_gguf_blocks_of_a_shard_match_its_dense_weights(qtype):
+    """Rank 1 of 2 of a small model whose projections are GGUF blocks (written with the `gguf`
+    package's own quantizer): each projection's blocks are the rank's rows (column-parallel) or
+    32-column blocks (row-parallel) of the file's, so multiplying by them equals multiplying by
+    the rank's dense shard of the dequantised weights. A column range off the 32-column blocks
+    has no blocks (that projection stays dense)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
 
-    loaded = load_model(None, dtype=torch.float32, quantization="gguf",
-                        tp=TensorParallel(1, 3))
-    model = loaded.model
-    weights = {"lm_head": model.lm_head, **{f"layers.0.{n}": getattr(model.layers[0], n)
-                                            for n in ("qkv_proj", "o_proj", "gate_up_proj",
-                                                      "down_proj")}}
-    for name, weight in weights.items():
-        assert isinstance(weight, QuantizedWeight), name
-        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        dense = weight.dense.to_dense() if weight.dense.is_mkldnn else weight.dense
-        torch.testing.assert_close(quantized_linear(x, weight.blocks), x @ dense.T,
-                                   rtol=1e-4, atol=1e-4, msg=name)
+    from engine.model.quant import GGUFBlocks, QuantizedWeight, attach_gguf_weights
+    from engine.model.quant import quantized_linear
+
+    kind = GGMLQuantizationType[qtype]
+    config = DecoderConfig(vocab_size=100, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32)
+    model = DecoderForCausalLM(config, tp=TensorParallel(1, 2))
+    g = torch.Generator().manual_seed(0)
+    dense, blocks = {}, []
+    for name, shape in model.checkpoint_shapes().items():
+        w = torch.randn(shape, generator=g)
+        if len(shape) == 2 and name != "model.embed_tokens.weight":
+            q = quantize(w.numpy(), kind)
+            blocks.append((name, GGUFBlocks(qtype, torch.from_numpy(q), shape[1])))
+            w = torch.from_numpy(dequantize(q, kind).copy()).reshape(shape)
+        dense[name] = w
+    model.load_weights(dense.items())
+    converted = attach_gguf_weights(model, iter(blocks))
+    assert converted == ["layers.0.qkv_proj", "layers.0.o_proj", "layers.0.gate_up_proj",
+                         "layers.0.down_proj", "lm_head"]
+    layer = model.layers[0]
+    for weight in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj,
+                   model.lm_head):
+        assert isinstance(weight, QuantizedWeight)
+        x = torch.randn(3, weight.shape[1], generator=g)
+        torch.testing.assert_close(quantized_linear(x, weight.blocks), x @ weight.dense.T,
+                                   rtol=1e-5, atol=1e-5)
+    assert tuple(layer.o_proj.shape) == (64, 64) and tuple(layer.down_proj.shape) == (64, 64)
+    assert take_blocks(layer.o_proj.blocks, (1, ((0, 48),))) is None
