@@ -93,19 +93,54 @@ def single(tiny):
     return run_cases(llm)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_tiny_llama_equals_one_process_and_transformers(tiny, single, size):
-    llm = LLM(tiny, tensor_parallel_size=size, **TINY_POOL)
+@pytest.fixture(scope="module")
+def two_ranks(tiny):
+    """An N = 2 engine for the equality test, then killed by the lifecycle test (one
+    tensor-parallel engine per process at a time: it must be shut down before the next)."""
+    llm = LLM(tiny, tensor_parallel_size=2, **TINY_POOL)
+    yield llm
+    llm.shutdown()
+
+
+def test_two_ranks_equal_one_process_and_transformers(tiny, single, two_ranks):
+    assert two_ranks.llm_engine.kv_cache.device_caches[0][0].shape[1] == 1  # 2 KV heads / 2
+    got = run_cases(two_ranks)
+    assert got == single
+    assert got["preempt"] == transformers_greedy(tiny, prompts(0, lens=(9, 5, 7, 11)),
+                                                 NEW_TOKENS)
+
+
+def test_killed_worker_raises_within_seconds_and_leaves_no_process(two_ranks):
+    llm = two_ranks
+    pid = worker_pids(llm)[0]
+    killed = []
+
+    def kill_mid_run():
+        while llm.llm_engine.stats().num_running == 0:  # generate has started
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    threading.Thread(target=kill_mid_run, daemon=True).start()
+    with pytest.raises(WorkerDiedError, match=f"rank 1 \\(pid {pid}\\) exited with code -9"):
+        greedy(llm, prompts(0, lens=(5,)), new_tokens=40)  # 12 blocks of 4 hold 48 tokens
+    assert time.monotonic() - killed[0] < 5.0
+    with pytest.raises(WorkerDiedError):  # and every later step
+        greedy(llm, prompts(0, lens=(5,)))
+    llm.shutdown()
+    assert_gone([pid])
+
+
+def test_four_ranks_replicate_kv_heads_and_equal_one_process(tiny, single):
+    llm = LLM(tiny, tensor_parallel_size=4, **TINY_POOL)
     pids = worker_pids(llm)
-    assert len(pids) == size - 1
+    assert len(pids) == 3
     try:
-        got = run_cases(llm)
+        assert llm.llm_engine.kv_cache.device_caches[0][0].shape[1] == 1  # 2 KV heads, 4 ranks
+        assert run_cases(llm) == single
     finally:
         llm.shutdown()
     assert_gone(pids)
-    assert got == single
-    batch = prompts(0, lens=(9, 5, 7, 11))
-    assert got["preempt"] == transformers_greedy(tiny, batch, NEW_TOKENS)
 
 
 def test_default_model_three_ranks_equals_one():
@@ -126,27 +161,6 @@ def test_heads_that_do_not_divide_fail_before_spawning(tiny):
         LLM(tiny, tensor_parallel_size=3, **TINY_POOL)
     after = {p.pid for p in psutil.Process().children(recursive=True)}
     assert after <= before
-
-
-def test_killed_worker_raises_within_seconds_and_leaves_no_process(tiny):
-    llm = LLM(tiny, tensor_parallel_size=2, **{**TINY_POOL, "num_kv_blocks": 64})
-    pid = worker_pids(llm)[0]
-    killed = []
-
-    def kill_after_steps():
-        while llm.llm_engine.stats().num_running == 0:  # generate has started
-            time.sleep(0.01)
-        os.kill(pid, signal.SIGKILL)
-        killed.append(time.monotonic())
-
-    threading.Thread(target=kill_after_steps, daemon=True).start()
-    with pytest.raises(WorkerDiedError, match=f"rank 1 \\(pid {pid}\\) exited with code -9"):
-        greedy(llm, prompts(0, lens=(9,)), new_tokens=100)
-    assert time.monotonic() - killed[0] < 5.0
-    with pytest.raises(WorkerDiedError):  # and every later step
-        greedy(llm, prompts(0, lens=(5,)))
-    llm.shutdown()
-    assert_gone([pid])
 
 
 TORCHRUN_SCRIPT = """

@@ -11,7 +11,8 @@ dies (or a collective that fails) makes the current or next step raise `WorkerDi
 naming the rank and its exit code; the group is then unusable and every later step raises the
 same error. `shutdown()` (also run at interpreter exit) sends the workers a shutdown message,
 waits a few seconds for them to exit, then terminates and kills what is left. A spawned worker
-also dies with the driver's process (Linux `PR_SET_PDEATHSIG`).
+also exits when the driver's process is gone (its step broadcast fails, and a thread watches
+its parent).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.distributed import launch
@@ -59,6 +61,10 @@ class TensorParallelExecutor:
         self._moves = StepMessage()
         self._error: Optional[WorkerDiedError] = None
         self._closed = False
+        if dist.is_initialized():
+            raise RuntimeError("tensor_parallel_size: this process is already in a "
+                               "torch.distributed group (one tensor-parallel engine per process "
+                               "at a time: shut the other one down first)")
         self._wake_r, self._wake_w = os.pipe()
         if launch.launched_by_env():
             launch.check_env_size(size)

@@ -18,10 +18,9 @@ sockets, which makes the others' collectives fail at once; the timeout covers a 
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -83,15 +82,19 @@ def rank_device(device: torch.device | str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
-def die_with_parent() -> None:
-    """Asks Linux to SIGKILL this process when its parent dies (no orphan workers); a no-op
-    where `prctl` is missing."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """Starts a daemon thread that ends this process when its parent has gone (reparented):
+    no orphan worker outlives a driver killed by SIGKILL. (Not `PR_SET_PDEATHSIG`: that fires
+    when the parent's spawning thread ends, and the server builds its engine in a thread it may
+    restart.)"""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def driver_store(port: int, size: int) -> dist.TCPStore:

@@ -129,9 +129,9 @@ def run_rank(spec: WorkerSpec, group: launch.RankGroup) -> None:
 
 
 def worker_main(rank: int, size: int, port: int, spec: WorkerSpec) -> None:
-    """The entry point of a spawned worker (rank >= 1): dies with its parent, joins the group
+    """The entry point of a spawned worker (rank >= 1): exits with its parent, joins the group
     at the driver's store on loopback `port`, then `run_rank`."""
-    launch.die_with_parent()
+    launch.exit_with_parent()
     if torch.device(spec.device).type == "cpu":
         torch.set_num_threads(spec.num_threads)
     group = launch.init_group(rank, size, spec.device, launch.worker_store(port, size))
