@@ -1,8 +1,9 @@
 """Tensor parallelism on CPU (gloo): N ranks give the tokens of one process, token for token.
 
 A tiny random-weight Llama (4 query heads over 2 KV heads) runs with N = 2 (one KV head each)
-and N = 4 (KV heads replicated), the default model (9 heads over 3 KV heads) with N = 3, all in
-float32, against N = 1 and transformers, with preemption (a tiny KV pool) and prefix-cache hits.
+and N = 4 (KV heads replicated, preemption by swap), the default model (9 heads over 3 KV
+heads) with N = 3, all in float32, against N = 1 and transformers, with preemption (a tiny KV
+pool) and prefix-cache hits.
 Then the lifecycle: a worker killed with SIGKILL mid-run makes the engine raise within seconds
 and leaves no process behind; the same outputs when `torchrun` starts the ranks; a server with
 `--tensor-parallel-size 2` answers the openai client, serves the same /metrics names and ends
@@ -131,13 +132,15 @@ def test_killed_worker_raises_within_seconds_and_leaves_no_process(two_ranks):
     assert_gone([pid])
 
 
-def test_four_ranks_replicate_kv_heads_and_equal_one_process(tiny, single):
-    llm = LLM(tiny, tensor_parallel_size=4, **TINY_POOL)
+def test_four_ranks_replicate_kv_heads_and_equal_one_process_under_swap(tiny):
+    swap = {**TINY_POOL, "preemption_mode": "swap"}  # swap-out / swap-in on every rank
+    want = run_cases(LLM(tiny, **swap))
+    llm = LLM(tiny, tensor_parallel_size=4, **swap)
     pids = worker_pids(llm)
     assert len(pids) == 3
     try:
         assert llm.llm_engine.kv_cache.device_caches[0][0].shape[1] == 1  # 2 KV heads, 4 ranks
-        assert run_cases(llm) == single
+        assert run_cases(llm) == want
     finally:
         llm.shutdown()
     assert_gone(pids)
