@@ -57,6 +57,10 @@ class EngineConfig:
       blocks of a 16-bit one in the same `kv_cache_memory_bytes`. Its scales (per layer, per KV
       head) come from the model file, else from `calculate_kv_scales` (calibrated on a built-in
       prompt when the engine is built), else 1.0 for fp8 (engine/kv_scales.py).
+    - `tensor_parallel_size`: ranks the model is split over (docs/distributed.md): one process
+      each, this one the driver; 1 runs everything in this process.
+    - `tensor_parallel_threads`: torch threads of each rank on a CPU when
+      `tensor_parallel_size > 1` (the driver's process included).
     """
 
     block_size: int = 16
@@ -73,6 +77,8 @@ class EngineConfig:
     kv_allocation: str = "paged"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = True
+    tensor_parallel_size: int = 1
+    tensor_parallel_threads: int = 1
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)
@@ -82,6 +88,8 @@ class EngineConfig:
         _require_int("max_num_seqs", self.max_num_seqs, 1)
         _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _require_int("max_model_len", self.max_model_len, 1, allow_none=True)
+        _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _require_int("tensor_parallel_threads", self.tensor_parallel_threads, 1)
         if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("num_kv_blocks: expected None when kv_cache_memory_bytes is given "
                              f"(give one of them), got {self.num_kv_blocks}")

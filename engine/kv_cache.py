@@ -11,12 +11,13 @@ so the host pool has the device cache's dtype and the scales stay as they are.
 from __future__ import annotations
 
 import mmap
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 
 from engine.block_pool import BlockCopy
-from engine.kv_scales import LayerKVScales, is_quantized
+from engine.kv_scales import LayerKVScales, is_quantized, make_kv_scales
 from paged_kernels.attention import copy_blocks, swap_blocks
 
 #: Budget used when neither a block count nor a byte budget is given.
@@ -159,3 +160,30 @@ class KVCache:
         for (sk, sv), (dk, dv) in zip(src, dst):
             swap_blocks(sk, dk, mapping, backend=self.backend)
             swap_blocks(sv, dv, mapping, backend=self.backend)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What every rank's cache shares, decided once on the driver: the same block ids (so the
+    same `num_blocks` and `block_size`), the host pool, the storage `dtype`, the block-move
+    `backend`, the test `fill` and whether 8-bit scales are calibrated."""
+
+    num_blocks: int
+    block_size: int
+    num_host_blocks: int
+    dtype: torch.dtype
+    backend: str = "auto"
+    fill: Optional[float] = None
+    calculate_kv_scales: bool = True
+
+
+def kv_cache_for(model: Any, spec: KVCacheSpec, device: torch.device | str) -> KVCache:
+    """The cache of the KV heads `model` holds (`model.num_local_kv_heads`: this rank's, all of
+    them in one process), with 8-bit scales (engine/kv_scales.py) over those heads: the model
+    file's (`model.kv_scales_from_file`, already cut to the rank's heads) or calibrated."""
+    config, heads = model.config, model.num_local_kv_heads
+    scales = make_kv_scales(spec.dtype, config.num_hidden_layers, heads, device,
+                            model.kv_scales_from_file, spec.calculate_kv_scales)
+    return KVCache(config.num_hidden_layers, heads, config.head_dim, spec.num_blocks,
+                   spec.block_size, spec.dtype, device, spec.num_host_blocks, spec.backend,
+                   spec.fill, scales)

@@ -24,12 +24,18 @@ from typing import Sequence as Seq
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
+from engine.distributed import launch
+from engine.distributed.executor import TensorParallelExecutor
+from engine.distributed.worker import WorkerSpec, serve_launched_rank
+from engine.kv_cache import (DEFAULT_KV_CACHE_BYTES, KVCacheSpec, kv_cache_for,
+                             num_blocks_for_budget)
 from engine.kv_allocation import reserved_tokens, resolved_max_tokens
-from engine.kv_scales import calibration_prompt_ids, kv_cache_dtype, make_kv_scales
+from engine.kv_scales import calibration_prompt_ids, kv_cache_dtype
 from engine.kv_cache_manager import KVCacheManager
+from engine.model.decoder import check_tensor_parallel
 from engine.model.loader import LoadedModel, load_model
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel_state import TensorParallel
 from engine.request import Sequence, SequenceGroup, SequenceStatus
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingState
@@ -54,8 +60,13 @@ class LLMEngine:
                  device: Union[str, torch.device] = "cpu", kv_fill: Optional[float] = None
                  ) -> None:
         self.config = config = config or EngineConfig()
-        self.loaded = (model if isinstance(model, LoadedModel)
-                       else load_model(model, dtype, device, config.quantization))
+        self.executor: Optional[TensorParallelExecutor] = None
+        if config.tensor_parallel_size > 1:
+            self.loaded = self._start_tensor_parallel(model, dtype, device)
+            device = self.executor.device  # type: ignore[union-attr]
+        else:
+            self.loaded = (model if isinstance(model, LoadedModel)
+                           else load_model(model, dtype, device, config.quantization))
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.device = torch.device(device)
@@ -68,14 +79,17 @@ class LLMEngine:
             num_host = num_blocks if config.preemption_mode == "swap" else 0
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, num_host,
                                                config.enable_prefix_caching, config.kv_allocation)
-        scales = make_kv_scales(self.kv_cache_dtype, mc.num_hidden_layers,
-                                mc.num_key_value_heads, self.device,
-                                self.loaded.model.kv_scales_from_file, config.calculate_kv_scales)
-        self.kv_cache = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                num_blocks, config.block_size, self.kv_cache_dtype, self.device,
-                                num_host, config.backend, kv_fill, scales)
+        cache_spec = KVCacheSpec(num_blocks, config.block_size, num_host, self.kv_cache_dtype,
+                                 config.backend, kv_fill, config.calculate_kv_scales)
+        self.kv_cache = kv_cache_for(self.loaded.model, cache_spec, self.device)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.backend, self.device)
+        self.runner: Union[ModelRunner, TensorParallelExecutor]
+        if self.executor is not None:
+            self.executor.attach(self.loaded.model, cache_spec, self.kv_cache)
+            self.runner = self.executor
+        else:
+            self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.backend,
+                                      self.device)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self._seq_ids = itertools.count()
@@ -83,6 +97,35 @@ class LLMEngine:
         self._compiler: Optional[StructuredOutputCompiler] = None
         self._compiler_lock = threading.Lock()
         self._calibrate_kv_scales()
+
+    def _start_tensor_parallel(self, model: Union[str, None, LoadedModel], dtype: torch.dtype,
+                               device: Union[str, torch.device]) -> LoadedModel:
+        """Loads the driver's shard, checks that the heads split, then starts the other ranks
+        (docs/distributed.md). Under a launcher (torchrun), a process of rank > 0 serves steps
+        here until the driver shuts down, then exits (SystemExit(0))."""
+        size = self.config.tensor_parallel_size
+        if isinstance(model, LoadedModel):
+            raise ValueError(f"model: expected a path or None with tensor_parallel_size={size} "
+                             "(each rank loads its own shard), got a LoadedModel")
+        spec = WorkerSpec(model, dtype, str(torch.device(device)), self.config.quantization,
+                          self.config.tensor_parallel_threads)
+        if torch.device(device).type == "cpu":
+            torch.set_num_threads(spec.num_threads)
+        if launch.env_rank() != 0:
+            serve_launched_rank(spec, size)
+            raise SystemExit(0)
+        tp = TensorParallel(0, size)
+        loaded = load_model(model, dtype, launch.rank_device(device, 0), self.config.quantization,
+                            tp=tp)
+        check_tensor_parallel(loaded.config, size)
+        self.executor = TensorParallelExecutor(spec, size)
+        return loaded
+
+    def shutdown(self) -> None:
+        """Ends the tensor-parallel workers (a no-op in one process); the engine cannot step
+        after it. Idempotent."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     @property
     def structured_output(self) -> StructuredOutputCompiler:

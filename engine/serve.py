@@ -104,8 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-debug-endpoints", action="store_true",
                    help="serve /debug/check_integrity and /debug/faults (engine internals "
                         "and fault injection; for tests and soaks, never in production)")
+    p.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                   help="split the model over this many processes, one per rank "
+                        "(docs/distributed.md)")
     p.add_argument("--num-threads", type=_positive, default=None,
-                   help="torch intra-op threads (default: torch's choice)")
+                   help="torch intra-op threads (default: torch's choice; with "
+                        "--tensor-parallel-size > 1: of each rank, default 1)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     return p
@@ -135,7 +139,7 @@ def engine_builder(args: argparse.Namespace,
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
 
-        if args.num_threads:
+        if args.num_threads and args.tensor_parallel_size == 1:
             torch.set_num_threads(args.num_threads)
         config = EngineConfig(
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -145,7 +149,9 @@ def engine_builder(args: argparse.Namespace,
             preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
             backend=args.backend, quantization=args.quantization,
             kv_allocation=args.kv_allocation, kv_cache_dtype=args.kv_cache_dtype,
-            calculate_kv_scales=args.calculate_kv_scales)
+            calculate_kv_scales=args.calculate_kv_scales,
+            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_threads=args.num_threads or 1)
         dtype = getattr(torch, _DTYPES[args.dtype])
         engine = LLMEngine(args.model, dtype=dtype, config=config, device=options.device)
         if options.chat_template is not None:

@@ -14,6 +14,12 @@ are one fused call each on CPU tensors (`layer_ops`); the forward never synchron
 `.item()`); the attention metadata is built once per step by the caller and checked once per
 forward and sliding window (`paged_kernels.attention.plan`), then each layer runs its plan on
 its own caches.
+
+Under tensor parallelism (`tp`, engine/parallel_state.py) each rank builds and loads only its
+shard (engine/model/sharding.py: column-parallel QKV and gate/up, row-parallel output and down
+projections each followed by an all-reduce, a vocabulary-parallel output head whose logits are
+all-gathered, the embedding and norms replicated); every rank runs `forward` and
+`compute_logits` on the same inputs and gets the same full-size results.
 """
 
 from __future__ import annotations
@@ -32,11 +38,15 @@ from engine.model.metadata import AttentionMetadata
 from engine.model.quant import QuantizedWeight, quantized_linear
 from engine.model.quant_int8 import int8_linear
 from engine.model.rope import Rotary, RotaryEmbedding
+from engine.model.sharding import ModelShard, check_tensor_parallel, take
+from engine.parallel_state import SINGLE, TensorParallel
 from paged_kernels.attention import AttentionPlan, plan
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 #: The step's attention plan of each sliding window (None: full attention).
 Plans = dict[Optional[int], AttentionPlan]
+
+__all__ = ["DecoderForCausalLM", "DecoderLayer", "KVCache", "check_tensor_parallel"]
 
 
 def _linear(x: torch.Tensor, weight: Union[torch.Tensor, QuantizedWeight],
@@ -71,18 +81,20 @@ def _pack(module: nn.Module, name: str) -> bool:
     return True
 
 
-
-
 class DecoderLayer(nn.Module):
     """One pre-norm block: attention over the paged cache, then the gated MLP (with Gemma's
-    extra norms when `sandwich_norm`)."""
+    extra norms when `sandwich_norm`); this rank's `shard` of it, whose row-parallel outputs are
+    summed over `tp`."""
 
     def __init__(self, config: DecoderConfig, index: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, shard: Optional[ModelShard] = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        shard = ModelShard.of(config) if shard is None else shard
+        h, d, inter = config.hidden_size, config.head_dim, shard.local_intermediate_size
+        self.tp = tp
+        self.num_heads = shard.num_local_heads
+        self.num_kv_heads = shard.num_local_kv_heads
         self.head_dim = d
         self.eps = config.rms_norm_eps
         self.window = config.layer_window(index)
@@ -141,7 +153,16 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = _linear(x, self.gate_up_proj, self.gate_up_bias)
-        return _linear(self.act_mul(gate_up), self.down_proj, self.down_bias)
+        return self._row_parallel(self.act_mul(gate_up), self.down_proj, self.down_bias)
+
+    def _row_parallel(self, x: torch.Tensor, weight: Union[torch.Tensor, QuantizedWeight],
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """`x @ weight.T + bias` for this rank's input columns `x` and `weight`, summed over the
+        ranks; the (replicated) bias is added once, after the sum."""
+        if self.tp.size == 1:
+            return _linear(x, weight, bias)
+        out = self.tp.all_reduce_(_linear(x, weight))
+        return out if bias is None else out.add_(bias)
 
     def _attention(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
                    attn: AttentionPlan, kv_scales: Optional[LayerKVScales]) -> torch.Tensor:
@@ -161,34 +182,47 @@ class DecoderLayer(nn.Module):
             attn.v_scale.copy_(v_scale)
         attn.write_kv(key, value, k_cache, v_cache)
         out = attn.run(qkv[:, :nh], k_cache, v_cache)
-        return _linear(out.reshape(num_tokens, -1), self.o_proj, self.o_bias)
+        return self._row_parallel(out.reshape(num_tokens, -1), self.o_proj, self.o_bias)
 
 
 class DecoderForCausalLM(nn.Module):
-    """The decoder stack plus the output head. Parameters are created uninitialised; fill them
-    with `load_weights` (Hugging Face tensor names) before use."""
+    """The decoder stack plus the output head: rank `tp.rank`'s shard of it (the whole model for
+    `SINGLE`; engine/model/sharding.py says what a rank holds: its `num_local_heads` query heads
+    and `num_local_kv_heads` KV heads, its share of the MLP and of the output head's vocabulary,
+    the embedding whole). Parameters are created uninitialised; fill them with `load_weights`
+    (Hugging Face tensor names, full-size: each rank keeps its slice) before use. ValueError
+    (`check_tensor_parallel`) when the heads do not split over `tp.size` ranks."""
 
     def __init__(self, config: DecoderConfig, dtype: torch.dtype = torch.float32,
-                 device: Union[str, torch.device] = "cpu") -> None:
+                 device: Union[str, torch.device] = "cpu", tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
         self.packed = False
+        self.tp = tp
+        self.shard = ModelShard.of(config, tp.rank, tp.size)
+        self._full_shard = ModelShard.of(config)  # the checkpoint's tensors are of this one
+        self.num_local_heads = self.shard.num_local_heads
+        self.num_local_kv_heads = self.shard.num_local_kv_heads
         #: The checkpoint's KV cache scales, `(k_scale, v_scale)` per layer (float32, one
         #: element or `[num_kv_heads]`), or None; set by `load_weights`.
         self.kv_scales_from_file: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, self.shard, tp)
                                     for i in range(config.num_hidden_layers))
         self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device),
                                  requires_grad=False)
+        v0, v1 = self.shard.vocab
         if config.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
+            # this rank's rows of the embedding (all of it for one rank), no copy
+            self.lm_head = (self.embed_tokens if tp.size == 1
+                            else self.embed_tokens.detach()[v0:v1])
         else:
-            self.lm_head = nn.Parameter(torch.empty_like(self.embed_tokens), requires_grad=False)
+            self.lm_head = nn.Parameter(torch.empty(v1 - v0, config.hidden_size, dtype=dtype,
+                                                    device=device), requires_grad=False)
         self.rotary = self._rotary_embeddings(config, device)
         self.embedding_multiplier = (None if config.embedding_multiplier is None else
                                      torch.tensor(config.embedding_multiplier, dtype=dtype))
@@ -213,10 +247,12 @@ class DecoderForCausalLM(nn.Module):
                 kv_scales: Optional[list[LayerKVScales]] = None) -> torch.Tensor:
         """Runs `input_ids` (int64 `[T]`) at `positions` (int64 `[T]`, each
         `< config.max_positions`) through every layer; `kv_caches[i]` is layer `i`'s
-        `(key_cache, value_cache)`, each `[num_blocks, num_kv_heads, block_size, head_dim]` in
-        the model dtype or an 8-bit one, whose scales are `kv_scales[i]` (engine/kv_scales.py;
-        pending ones are calibrated on this step's K/V). Returns the final-normed hidden states
-        `[T, hidden_size]`; pass the rows that need logits to `compute_logits`."""
+        `(key_cache, value_cache)`, each `[num_blocks, num_local_kv_heads, block_size,
+        head_dim]` in the model dtype or an 8-bit one, whose scales are `kv_scales[i]`
+        (engine/kv_scales.py, over this rank's KV heads; pending ones are calibrated on this
+        step's K/V). Returns the final-normed hidden states `[T, hidden_size]`, full-size on
+        every rank; pass the rows that need logits to `compute_logits`. Under tensor
+        parallelism every rank calls it with the same inputs (it all-reduces twice a layer)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} (key, value) pairs, one "
                              f"per layer, got {len(kv_caches)}")
@@ -259,18 +295,18 @@ class DecoderForCausalLM(nn.Module):
                        key_cache: torch.Tensor, quantized: bool = False) -> Plans:
         """The step's attention plan of each sliding window the layers use (metadata checked
         once per window, run by every layer with that window); `key_cache` is any layer's
-        (all layers' caches have one shape and dtype). For an 8-bit cache (`quantized`) the
-        plans share float32 `[num_kv_heads]` scale tensors, which each layer fills with its
-        scales before its calls."""
+        (all layers' caches have one shape and dtype). The plans are of this rank's heads. For
+        an 8-bit cache (`quantized`) the plans share float32 `[num_local_kv_heads]` scale
+        tensors, which each layer fills with its scales before its calls."""
         c = self.config
         scales = {}
         if quantized:
-            ones = torch.ones(c.num_key_value_heads, dtype=torch.float32,
+            ones = torch.ones(self.num_local_kv_heads, dtype=torch.float32,
                               device=key_cache.device)
             scales = {"k_scale": ones, "v_scale": ones.clone()}
         return {window: plan(meta.block_tables, meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
                              slot_mapping=meta.slot_mapping, num_tokens=num_tokens,
-                             num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                             num_heads=self.num_local_heads, num_kv_heads=self.num_local_kv_heads,
                              head_size=c.head_dim, block_size=key_cache.shape[2],
                              num_blocks=key_cache.shape[0], dtype=self.dtype,
                              kv_cache_dtype=key_cache.dtype, backend=meta.backend,
@@ -280,12 +316,23 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab_size]` for final hidden states `[N, hidden_size]` (soft
-        capped when the config says so)."""
+        capped when the config says so), on every rank. Under tensor parallelism every rank
+        calls it with the same `hidden` (each computes its vocabulary rows, then all-gathers)."""
         logits = _linear(hidden, self.lm_head).float()
+        if self.tp.size > 1:
+            logits = self._gather_vocab(logits)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """The full-vocabulary logits from each rank's `[N, rows of its shard]`."""
+        vocab, per_rank = self.config.vocab_size, self.shard.vocab_per_rank
+        if logits.shape[1] < per_rank:
+            logits = F.pad(logits, (0, per_rank - logits.shape[1]))
+        logits = self.tp.all_gather(logits)
+        return logits if logits.shape[1] == vocab else logits[:, :vocab].contiguous()
 
     @torch.no_grad()
     def pack_weights(self) -> bool:
@@ -312,8 +359,10 @@ class DecoderForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies tensors named as in the family's Hugging Face checkpoint (`model.layers.0.
-        self_attn.q_proj.weight`, ...; `checkpoint_names.layer_tensors`) into the fused
-        parameters, converting to the model dtype; RMSNorm weights get the config's
+        self_attn.q_proj.weight`, ...; `checkpoint_names.layer_tensors`), full-size, into the
+        fused parameters, converting to the model dtype; each tensor is cut to this rank's
+        shard as it arrives, so `weights` may yield them one at a time from a file without the
+        whole model ever being in memory. RMSNorm weights get the config's
         `norm_weight_offset` added.
 
         Raises ValueError for an unknown name or a wrong shape, and when a parameter is left
@@ -335,11 +384,12 @@ class DecoderForCausalLM(nn.Module):
                     continue  # a buffer some checkpoints carry; recomputed from the config
                 raise ValueError(f"weights: unexpected tensor {name!r} for a "
                                  f"{self.config.architecture} model")
-            dest = target if rows is None else target[rows[0]:rows[1]]
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise ValueError(f"weights: expected {name!r} of shape {tuple(dest.shape)}, got "
+            want = self._checkpoint_shape(name, table)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"weights: expected {name!r} of shape {want}, got "
                                  f"{tuple(tensor.shape)}")
-            dest.copy_(tensor)
+            dest = target if rows is None else target[rows[0]:rows[1]]
+            dest.copy_(take(tensor, self.shard.pieces(*self._param_of(name, table))))
             if is_norm and self.config.norm_weight_offset:
                 dest.add_(self.config.norm_weight_offset)
             loaded.add(name)
@@ -348,8 +398,11 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"weights: missing tensors {missing[:6]}"
                              f"{' ...' if len(missing) > 6 else ''} ({len(missing)} in all)")
         c = self.config
-        self.kv_scales_from_file = file_scales_from(found_scales, c.num_hidden_layers,
-                                                    c.num_key_value_heads)
+        scales = file_scales_from(found_scales, c.num_hidden_layers, c.num_key_value_heads)
+        k0, k1 = self.shard.kv_heads
+        self.kv_scales_from_file = None if scales is None else [
+            tuple(s if s.numel() == 1 else s[k0:k1].clone() for s in pair)  # type: ignore[misc]
+            for pair in scales]
 
     def _kv_scale(self, name: str, tensor: torch.Tensor,
                   found: dict[int, dict[str, torch.Tensor]]) -> bool:
@@ -375,14 +428,32 @@ class DecoderForCausalLM(nn.Module):
         return names
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The shape `load_weights` expects of each tensor of `checkpoint_names`."""
+        """The shape `load_weights` expects of each tensor of `checkpoint_names` (the full
+        checkpoint's, whatever this rank's shard)."""
         table = layer_tensors(self.config)
-        shapes = {}
-        for name in self.checkpoint_names():
-            target, rows, _ = self._locate(name, table)
-            shapes[name] = (tuple(target.shape) if rows is None
-                            else (rows[1] - rows[0], *target.shape[1:]))
-        return shapes
+        return {name: self._checkpoint_shape(name, table) for name in self.checkpoint_names()}
+
+    def _checkpoint_shape(self, name: str, table: dict[str, tuple[str, Optional[int]]]
+                          ) -> tuple[int, ...]:
+        """The full shape of checkpoint tensor `name` (one `_locate` finds)."""
+        target, rows, _ = self._locate(name, table)
+        shape = list(target.shape if rows is None else (rows[1] - rows[0], *target.shape[1:]))
+        full = self._full_shard.layout(*self._param_of(name, table))
+        if full is not None:
+            dim, ranges = full
+            shape[dim] = sum(b - a for a, b in ranges)
+        return tuple(shape)
+
+    @staticmethod
+    def _param_of(name: str, table: dict[str, tuple[str, Optional[int]]]
+                  ) -> tuple[str, Optional[int]]:
+        """The (parameter, part index) a checkpoint tensor loads into ("lm_head" for the output
+        head; the embedding and the final norm count as whole parameters)."""
+        if name == "lm_head.weight":
+            return "lm_head", None
+        if name.startswith("model.layers."):
+            return table[name.split(".", 3)[3]]
+        return name, None
 
     def _locate(self, name: str, table: dict[str, tuple[str, Optional[int]]]
                 ) -> tuple[Optional[torch.Tensor], Optional[tuple[int, int]], bool]:
@@ -409,11 +480,6 @@ class DecoderForCausalLM(nn.Module):
         return target, rows, param in NORM_PARAMS
 
     def _row_range(self, fused: str, index: int) -> tuple[int, int]:
-        c = self.config
-        if fused.startswith("gate_up"):
-            sizes = [c.intermediate_size, c.intermediate_size]
-        else:
-            sizes = [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
-                     c.num_key_value_heads * c.head_dim]
+        sizes = self.shard.part_sizes(fused)
         start = sum(sizes[:index])
         return start, start + sizes[index]

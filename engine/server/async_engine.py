@@ -157,7 +157,8 @@ class AsyncEngine:
         self._supervisor = loop.create_task(self._supervise())
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stops the engine loop (and its supervisor); waits up to `timeout` s for the thread."""
+        """Stops the engine loop (and its supervisor); waits up to `timeout` s for the thread,
+        then shuts the engine down (which ends its tensor-parallel workers)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -165,6 +166,8 @@ class AsyncEngine:
             self._supervisor.cancel()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.engine is not None and hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
 
     def close(self, error: APIError) -> None:
         """Ends every request in flight with `error` (their engine requests are aborted, which
