@@ -1,1 +1,3 @@
-"""Tensor parallelism on `torch.distributed`: the rank's process group (parallel_state.py)."""
+"""Tensor parallelism on `torch.distributed`: the driver's executor (executor.py), the workers'
+loop (worker.py) and how ranks start or join a group (launch.py); a rank's place in the group is
+`engine.parallel_state.TensorParallel`."""
