@@ -8,9 +8,10 @@ depend on the model (the number of KV blocks derived from a memory budget, the d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Union
 
 from engine import kv_scales
+from engine.speculative_config import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 KV_ALLOCATIONS = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")  # engine/kv_allocation
@@ -57,6 +58,8 @@ class EngineConfig:
       blocks of a 16-bit one in the same `kv_cache_memory_bytes`. Its scales (per layer, per KV
       head) come from the model file, else from `calculate_kv_scales` (calibrated on a built-in
       prompt when the engine is built), else 1.0 for fp8 (engine/kv_scales.py).
+    - `speculative_config`: vLLM's dict (or a `SpeculativeConfig`) turning on speculative
+      decoding (docs/spec-decode.md); parsed into a `SpeculativeConfig` here. None: off.
     """
 
     block_size: int = 16
@@ -73,6 +76,7 @@ class EngineConfig:
     kv_allocation: str = "paged"
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = True
+    speculative_config: Union[None, dict[str, Any], SpeculativeConfig] = None
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)
@@ -105,3 +109,6 @@ class EngineConfig:
         if not isinstance(self.calculate_kv_scales, bool):
             raise ValueError("calculate_kv_scales: expected a bool, got "
                              f"{self.calculate_kv_scales!r}")
+        if self.speculative_config is not None \
+                and not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)

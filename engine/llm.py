@@ -44,8 +44,9 @@ class LLM:
     engine/kv_allocation.py), `kv_cache_dtype` ("auto" = the model's dtype, "fp8" /
     "fp8_e4m3", "fp8_e5m2" or "int8": an 8-bit cache with per-layer, per-KV-head scales from the
     model file, else calibrated on a built-in prompt when `calculate_kv_scales`, else 1.0 for fp8;
-    engine/kv_scales.py). `kv_fill` (a testing aid) fills the KV cache with a value such as
-    NaN (for an int8 cache, a value in [-128, 127]).
+    engine/kv_scales.py), `speculative_config` (vLLM's dict: "ngram" or "draft_model"
+    speculative decoding, docs/spec-decode.md). `kv_fill` (a testing aid) fills the KV cache
+    with a value such as NaN (for an int8 cache, a value in [-128, 127]).
     """
 
     def __init__(self, model: Union[str, None, LoadedModel] = None,
@@ -58,7 +59,8 @@ class LLM:
                  device: Union[str, torch.device] = "cpu",
                  kv_fill: Optional[float] = None,
                  quantization: Optional[str] = "auto", kv_allocation: str = "paged",
-                 kv_cache_dtype: str = "auto", calculate_kv_scales: bool = True) -> None:
+                 kv_cache_dtype: str = "auto", calculate_kv_scales: bool = True,
+                 speculative_config: Optional[dict[str, Any]] = None) -> None:
         config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               num_host_blocks=num_host_blocks, max_num_seqs=max_num_seqs,
@@ -67,7 +69,8 @@ class LLM:
                               preemption_mode=preemption_mode, max_model_len=max_model_len,
                               backend=backend, quantization=quantization,
                               kv_allocation=kv_allocation, kv_cache_dtype=kv_cache_dtype,
-                              calculate_kv_scales=calculate_kv_scales)
+                              calculate_kv_scales=calculate_kv_scales,
+                              speculative_config=speculative_config)
         self.llm_engine = LLMEngine(model, _resolve_dtype(dtype), config, device, kv_fill)
         self._counter = 0
 
