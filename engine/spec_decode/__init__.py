@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.spec_decode.config import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from engine.spec_decode.proposer import Proposal, Proposer
 
 __all__ = ["Proposal", "Proposer", "SpeculativeConfig", "make_proposer"]
