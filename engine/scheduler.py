@@ -235,8 +235,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             group = self.running[i]
             seqs = group.seqs_with_status(SequenceStatus.RUNNING)
-            shares = self._give_tokens(seqs, budget, speculate=self.lookahead is not None)
-            if self._blocks_needed(shares) > self.kv_cache_manager.num_free_blocks:
+            speculate = self.lookahead is not None
+            shares = self._give_tokens(seqs, budget, speculate=speculate)
+            if speculate and self._blocks_needed(shares) > self.kv_cache_manager.num_free_blocks:
                 shares = self._give_tokens(seqs, budget)  # no lookahead before preempting
             while self._blocks_needed(shares) > self.kv_cache_manager.num_free_blocks:
                 victim = self.running.pop()
