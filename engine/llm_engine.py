@@ -46,7 +46,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import make_proposer
 from engine.spec_decode.rejection import Verdict
-from engine.spec_decode.speculator import Speculator
+from engine.spec_decode.speculator import SpecCounters, Speculator
 from engine.stats import EngineStats
 from engine.stop_strings import StopMatch
 from engine.structured_output import StructuredOutputCompiler, grammar_for, make_compiler
@@ -442,15 +442,21 @@ class LLMEngine:
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
-        """A snapshot of queue lengths, KV usage, prefix-cache counters and preemptions."""
+        """A snapshot of queue lengths, KV usage, prefix-cache counters, preemptions and
+        speculative decoding counters."""
         kvm = self.kv_cache_manager
         sched = self.scheduler
+        spec = self.speculator.counters() if self.speculator is not None else SpecCounters()
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_swapped=len(sched.swapped), kv_cache_usage_perc=kvm.usage(),
             prefix_cache_queries=kvm.prefix_cache_queries,
             prefix_cache_hits=kvm.prefix_cache_hits, num_preemptions=sched.num_preemptions,
-            num_free_blocks=kvm.num_free_blocks, num_total_blocks=kvm.num_blocks)
+            num_free_blocks=kvm.num_free_blocks, num_total_blocks=kvm.num_blocks,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=spec.accepted_per_pos)
 
     def check_integrity(self) -> None:
         """The KV cache manager's invariants, and that exactly the running sequences hold device
