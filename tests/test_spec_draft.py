@@ -125,3 +125,71 @@ def test_a_draft_that_fails_to_load_or_has_another_vocabulary_is_refused(target,
     with pytest.raises(ValueError, match=r"vocabulary of 300 tokens\), got '.*other' with a "
                                          r"vocabulary of 320 tokens"):
         make_draft_proposer(eng, SpeculativeConfig("draft_model", K, model=other))
+
+
+def test_a_random_request_draws_from_its_processed_distribution(target, hf_target):
+    # top_k=1: the draft's distribution is one-hot on its greedy token, whatever the draw
+    eng, seqs, tables = prefilled(target, prompts(6, lens=(12,)))
+    seqs[0].sampling_state.params = SamplingParams(temperature=0.8, top_k=1, max_tokens=64,
+                                                   ignore_eos=True)
+    proposer = make_draft_proposer(eng, SpeculativeConfig("draft_model", K, model=target))
+    (proposal,) = proposer.propose(seqs, [K], tables)
+    assert proposal.token_ids == hf_greedy(hf_target, seqs[0].token_ids, K)
+    assert proposal.probs is not None and proposal.probs.shape == (K, 300)
+    assert torch.equal(proposal.probs.argmax(1), torch.tensor(proposal.token_ids))
+    assert torch.equal(proposal.probs.sum(1), torch.ones(K))
+
+
+# ------------------------------------------------------------------- in the engine (k = 3)
+NEW_TOKENS = 20
+#: Engine settings of each case: prefix-cache hits (warm prompts first), preemption by
+#: recompute and by swap, n = 2 (forks share the prompt's blocks: copy-on-write).
+E2E_CASES = {
+    "prefix": dict(enable_prefix_caching=True),
+    "recompute": dict(num_kv_blocks=28, max_num_seqs=4, preemption_mode="recompute",
+                      enable_prefix_caching=False),
+    "swap": dict(num_kv_blocks=28, max_num_seqs=4, preemption_mode="swap",
+                 enable_prefix_caching=False),
+    "n=2": dict(enable_prefix_caching=False),
+}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return prompts(0, lens=(37, 5, 23, 11), shared_prefix=4)
+
+
+@pytest.fixture(scope="module")
+def hf_batch(hf_target, batch):
+    return [hf_greedy(hf_target, p, NEW_TOKENS) for p in batch]
+
+
+@pytest.mark.parametrize("case", list(E2E_CASES))
+@pytest.mark.parametrize("draft", ["model", "layers"])
+def test_greedy_output_with_a_draft_equals_transformers(target, batch, hf_batch, draft, case):
+    spec = ({"method": "draft_model", "model": target, "num_speculative_tokens": K}
+            if draft == "model" else
+            {"method": "draft_model", "draft_layers": 2, "num_speculative_tokens": K})
+    settings = {"num_kv_blocks": 256, **E2E_CASES[case]}
+    llm = LLM(target, dtype=torch.float32, block_size=BLOCK_SIZE, speculative_config=spec,
+              **settings)
+    n = 2 if case == "n=2" else 1
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=n)
+    if case == "prefix":
+        llm.generate([{"prompt_token_ids": batch[0]}], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    for out, want in zip(outs, hf_batch):
+        assert [list(c.token_ids) for c in out.outputs] == [want] * n
+    eng = llm.llm_engine
+    eng.check_integrity()
+    assert eng.kv_cache_manager.num_used_blocks == 0
+    if case == "prefix":
+        assert eng.stats().prefix_cache_hits > 0
+    if case in ("recompute", "swap"):
+        assert eng.stats().num_preemptions > 0
+    counters = eng.speculator.counters()
+    assert counters.num_drafts > 0
+    if draft == "model":
+        # the target is its own draft: every proposal is its greedy token, so a draft cache that
+        # missed a block move, a preemption or a fork would show up as a rejection
+        assert counters.num_accepted_tokens == counters.num_draft_tokens
