@@ -38,7 +38,7 @@ from engine.kv_cache import KVCache
 from engine.model.decoder import DecoderForCausalLM
 from engine.model.loader import LoadedModel, load_model
 from engine.runner import build_inputs
-from engine.sampler import Sampler, SamplingState, argmax, sampling_probs
+from engine.sampler import Sampler, SamplingState, argmax, draw, sampling_probs
 from engine.spec_decode.proposer import Proposal
 
 if TYPE_CHECKING:
@@ -257,9 +257,9 @@ class DraftProposer:
         random = [j for j, s in enumerate(states) if not s.params.greedy]
         if random:
             probs = sampling_probs(x[random], [states[j].params for j in random])
+            drawn = draw(probs, [states[j].generator for j in random]).tolist()
             for r, j in enumerate(random):
-                token = torch.multinomial(probs[r], 1, generator=states[j].generator)
-                tokens[j] = int(token)
+                tokens[j] = drawn[r]
                 out_probs[j] = probs[r]
         return tokens, out_probs
 
