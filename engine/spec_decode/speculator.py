@@ -33,7 +33,7 @@ from engine.speculative_config import SpeculativeConfig
 EMA_WEIGHT = 0.5
 BACKOFF_THRESHOLD = 0.3
 PROBE_EMA = 0.5
-PAUSE_MIN = 8
+PAUSE_MIN = 4
 PAUSE_MAX = 256
 
 
@@ -41,7 +41,7 @@ PAUSE_MAX = 256
 class _Backoff:
     """One sequence's acceptance average and pause (in output tokens)."""
 
-    ema: float = 1.0
+    ema: float = PROBE_EMA
     pause: int = 0
     resume_at: int = 0  # speculation resumes once the output has this many tokens
 
