@@ -76,6 +76,26 @@ def mixed_batch(prompts):
     return reqs, params
 
 
+def check_every_step(llm) -> None:
+    """After every step of `llm`: integrity, and no sequence holds a block past its computed
+    tokens (the slots of rejected proposals were given back)."""
+    engine = llm.llm_engine
+    step = engine.step
+
+    def checked():
+        outputs = step()
+        engine.check_integrity()
+        kvm = engine.kv_cache_manager
+        for group in engine.scheduler.running:
+            for seq in group.seqs:
+                if kvm.is_resident(seq.seq_id):
+                    assert len(kvm.block_table(seq.seq_id)) == \
+                        -(-seq.num_computed_tokens // kvm.block_size), seq
+        return outputs
+
+    engine.step = checked
+
+
 def check_mixed(llm, outs, reference) -> None:
     greedy = [o.outputs[0].token_ids for o in outs[:len(reference)]]
     assert greedy == reference
@@ -101,6 +121,7 @@ def check_clean(llm, outs) -> None:
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_output_equals_plain_in_a_mixed_batch(loaded, prompts, reference, k):
     llm = make_llm(loaded, ngram(k))
+    check_every_step(llm)
     outs = llm.generate(*mixed_batch(prompts), use_tqdm=False)
     check_mixed(llm, outs, reference)
     stats = llm.llm_engine.stats()
@@ -114,6 +135,7 @@ def test_greedy_output_equals_plain_in_a_mixed_batch(loaded, prompts, reference,
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_output_equals_plain_under_preemption(loaded, prompts, reference, mode):
     llm = make_llm(loaded, ngram(3), num_kv_blocks=6, preemption_mode=mode)
+    check_every_step(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert llm.llm_engine.stats().num_preemptions > 0
