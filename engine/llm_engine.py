@@ -286,16 +286,22 @@ class LLMEngine:
         """
         kvm = self.kv_cache_manager
         tables = [kvm.block_table(s.seq_id) for s, _ in out.scheduled]
-        self.runner.move_blocks(out)
-        if self.speculator is not None:
-            self.speculator.move_blocks(out)
-            if out.lookahead:
-                out.drafts = self.speculator.propose(out, tables)
-        sampled, logits = self.runner.forward(out.scheduled, tables, out.drafts)
+        if self.speculator is None:
+            sampled, logits = self.runner.execute(out, tables)
+        else:
+            sampled, logits = self.runner.execute(out, tables, lambda: self._propose(out, tables))
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             kvm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         return sampled, logits
+
+    def _propose(self, out: SchedulerOutput, tables: list[list[int]]) -> dict[int, list[int]]:
+        """After the step's block moves: the proposer's moves, then `out.drafts`."""
+        assert self.speculator is not None
+        self.speculator.move_blocks(out)
+        if out.lookahead:
+            out.drafts = self.speculator.propose(out, tables)
+        return out.drafts
 
     def next_seq_id(self) -> int:
         """A sequence id no other sequence of this engine has."""

@@ -15,7 +15,7 @@ logits row for its last scheduled token and for each proposal (1 + len(draft) co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -132,8 +132,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return inputs.sampled_seqs, logits.float()
 
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]],
+                propose: Optional[Callable[[], dict[int, list[int]]]] = None
                 ) -> tuple[list[Sequence], Optional[torch.Tensor]]:
-        """Moves the step's blocks, then runs `forward` on the scheduled sequences."""
+        """Moves the step's blocks, then runs `forward` on the scheduled sequences; `propose`
+        (speculative decoding), called between the two, returns the step's drafts."""
         self.move_blocks(out)
-        return self.forward(out.scheduled, block_tables)
+        drafts = propose() if propose is not None else None
+        return self.forward(out.scheduled, block_tables, drafts)
