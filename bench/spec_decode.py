@@ -17,7 +17,8 @@ acceptance rate (accepted / proposed tokens) and the mean accepted length per ve
 (accepted + 1: the target's own token). At concurrency `--batch` (16) all prompts of both
 workloads run at once: output tokens per second with and without speculation.
 
-The baseline runs first and last (its two runs show the machine's drift during the run).
+The baseline runs first and last (its two runs show the machine's drift during the run); with
+`--paired` it also runs right before each setting, which is then compared with that run.
 
     python -m bench.spec_decode --out bench/results/$(date +%F)-spec-decode/result.json
     python -m bench.spec_decode --quick   # two prompts, 32 tokens: a smoke run
@@ -92,6 +93,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--draft-k", type=int, default=3, help="k of the draft-model settings (3)")
     p.add_argument("--batch", type=int, default=16, help="concurrency of the throughput run")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
+    p.add_argument("--no-draft-model", action="store_true", help="skip the draft_model setting")
+    p.add_argument("--paired", action="store_true",
+                   help="run the baseline again right before each setting and compare with "
+                        "that run (steadier on a shared machine; twice the time)")
     p.add_argument("--quick", action="store_true", help="two prompts per workload, 32 tokens")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     return p.parse_args(argv)
@@ -106,6 +111,8 @@ def settings(args: argparse.Namespace, path: str) -> list[tuple[str, Optional[di
     out += [(f"draft_layers L={n} k={args.draft_k}",
              {"method": "draft_model", "draft_layers": n, "num_speculative_tokens": args.draft_k})
             for n in args.draft_layers]
+    if args.no_draft_model:
+        return out
     draft = args.draft_model or path
     name = "same file" if args.draft_model is None else os.path.basename(draft)
     out.append((f"draft_model ({name}) k={args.draft_k}",
@@ -235,7 +242,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     "threads": args.threads},
         "commit": _commit(), "model": loaded.name, "dtype": args.dtype,
         "quantization": loaded.quantization, "max_tokens": args.max_tokens,
-        "batch": args.batch,
+        "batch": args.batch, "paired": args.paired,
         "prompt_lens": {w: [len(p) for p in ps] for w, ps in workloads.items()},
         "settings": results,
     }
@@ -244,6 +251,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                                   for w in ("copy", "fresh")}
     report["baseline_batch_tok_s"] = base["batch"]["output_tok_s"]
     for name, spec in [*settings(args, loaded.path)[1:], ("none (run again last)", None)]:
+        if args.paired and spec is not None:
+            base = measure(loaded, None, workloads, args)
         results[name] = compare(base, measure(loaded, spec, workloads, args))
         print(_row(name, results[name]), flush=True)
         _write(args.out, report)  # what has run so far survives an interrupted run
