@@ -60,6 +60,10 @@ class BlockPool:
         """The prefix-cache key of the block, None if it is not cached."""
         return self._key[block]
 
+    def tokens(self, block: int) -> Optional[tuple[int, ...]]:
+        """The token ids a cached block holds (None for an uncached block)."""
+        return self._tokens[block] if self._key[block] is not None else None
+
     # ------------------------------------------------------------ references
     def allocate(self) -> int:
         """A block with no reference and no key, now referenced once; evicts the least recently

@@ -8,9 +8,10 @@ depend on the model (the number of KV blocks derived from a memory budget, the d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Union
 
 from engine import kv_scales
+from engine.speculative_config import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 KV_ALLOCATIONS = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")  # engine/kv_allocation
@@ -61,6 +62,8 @@ class EngineConfig:
       each, this one the driver; 1 runs everything in this process.
     - `tensor_parallel_threads`: torch threads of each rank on a CPU when
       `tensor_parallel_size > 1` (the driver's process included).
+    - `speculative_config`: vLLM's dict (or a `SpeculativeConfig`) turning on speculative
+      decoding (docs/spec-decode.md); parsed into a `SpeculativeConfig` here. None: off.
     """
 
     block_size: int = 16
@@ -79,6 +82,7 @@ class EngineConfig:
     calculate_kv_scales: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_threads: int = 1
+    speculative_config: Union[None, dict[str, Any], SpeculativeConfig] = None
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)
@@ -113,3 +117,12 @@ class EngineConfig:
         if not isinstance(self.calculate_kv_scales, bool):
             raise ValueError("calculate_kv_scales: expected a bool, got "
                              f"{self.calculate_kv_scales!r}")
+        if self.speculative_config is not None \
+                and not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        spec = self.speculative_config
+        if spec is not None and spec.draft_layers is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config['draft_layers']: expected tensor_parallel_size"
+                             f"=1 (the target's first layers would run on the driver alone), "
+                             f"got tensor_parallel_size={self.tensor_parallel_size}; use "
+                             f"'ngram' or a draft 'model'")

@@ -15,6 +15,9 @@ count drops to zero keeps its key until the pool evicts it.
 Preemption by swap moves a sequence's blocks to a second, host pool (`swap_out`) and back
 (`swap_in`); the returned `(src, dst)` pairs are what the runner copies with `swap_blocks`.
 
+`trim` gives back the slots past a sequence's accepted tokens (speculative decoding writes the
+K/V of proposals that may then be rejected).
+
 Contiguous-reservation baselines (engine/kv_allocation.py): `admit(..., reserve_tokens=n)` gives
 a sequence all the blocks of `n` slots at once; later writes inside them take no new block.
 Under a reservation policy (`kv_allocation` other than "paged") the manager neither looks up nor
@@ -275,6 +278,21 @@ class KVCacheManager:
         self._written[seq_id] = max(self._written[seq_id], num_computed + num_new)
         self._note_peak()
         return copies
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Gives back the slots a resident sequence holds past its first `num_tokens` tokens
+        (speculative decoding: the slots of rejected proposals): the blocks after the one
+        holding token `num_tokens - 1` are released and the written extent shrinks to
+        `num_tokens`. None of them is in the prefix cache (only blocks full of computed tokens
+        are, and `num_tokens` is at least the computed count). Under a reservation
+        `kv_allocation` the blocks stay reserved; only the extent shrinks."""
+        table = self._tables[seq_id]
+        keep = -(-num_tokens // self.block_size)
+        assert keep >= len(self._seq_hashes[seq_id]), "trimming a cached block"
+        if self.kv_allocation == "paged":
+            while len(table) > keep:
+                self.pool.release(table.pop())
+        self._written[seq_id] = min(self._written[seq_id], num_tokens)
 
     def append_slot(self, seq_id: int, num_computed: int) -> Optional[list[BlockCopy]]:
         """`allocate_slots` for one decode token."""

@@ -44,12 +44,13 @@ class LLM:
     engine/kv_allocation.py), `kv_cache_dtype` ("auto" = the model's dtype, "fp8" /
     "fp8_e4m3", "fp8_e5m2" or "int8": an 8-bit cache with per-layer, per-KV-head scales from the
     model file, else calibrated on a built-in prompt when `calculate_kv_scales`, else 1.0 for fp8;
-    engine/kv_scales.py). `kv_fill` (a testing aid) fills the KV cache with a value such as
-    NaN (for an int8 cache, a value in [-128, 127]). `tensor_parallel_size` > 1 splits the
-    model over that many processes, `tensor_parallel_threads` torch threads each on a CPU
-    (docs/distributed.md); under `torchrun`, the call returns only on rank 0: the other ranks
-    serve its steps and exit when it shuts down. Call `shutdown()` (or let the interpreter
-    exit) to end the worker processes.
+    engine/kv_scales.py), `speculative_config` (vLLM's dict: "ngram" or "draft_model"
+    speculative decoding, docs/spec-decode.md). `kv_fill` (a testing aid) fills the KV cache
+    with a value such as NaN (for an int8 cache, a value in [-128, 127]).
+    `tensor_parallel_size` > 1 splits the model over that many processes,
+    `tensor_parallel_threads` torch threads each on a CPU (docs/distributed.md); under
+    `torchrun`, the call returns only on rank 0: the other ranks serve its steps and exit when
+    it shuts down. Call `shutdown()` (or let the interpreter exit) to end the worker processes.
     """
 
     def __init__(self, model: Union[str, None, LoadedModel] = None,
@@ -63,6 +64,7 @@ class LLM:
                  kv_fill: Optional[float] = None,
                  quantization: Optional[str] = "auto", kv_allocation: str = "paged",
                  kv_cache_dtype: str = "auto", calculate_kv_scales: bool = True,
+                 speculative_config: Optional[dict[str, Any]] = None,
                  tensor_parallel_size: int = 1, tensor_parallel_threads: int = 1) -> None:
         config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -73,6 +75,7 @@ class LLM:
                               backend=backend, quantization=quantization,
                               kv_allocation=kv_allocation, kv_cache_dtype=kv_cache_dtype,
                               calculate_kv_scales=calculate_kv_scales,
+                              speculative_config=speculative_config,
                               tensor_parallel_size=tensor_parallel_size,
                               tensor_parallel_threads=tensor_parallel_threads)
         self.llm_engine = LLMEngine(model, _resolve_dtype(dtype), config, device, kv_fill)

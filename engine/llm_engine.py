@@ -11,6 +11,15 @@ but the length limits before `min_tokens` tokens. A sequence with `structured_ou
 own grammar matcher (engine/structured_output.py), advanced with each sampled token; it ends when
 its grammar has accepted its end token, and a stop string ends it only where its text is
 complete under the grammar.
+
+With `EngineConfig.speculative_config` the engine holds a `Speculator`
+(engine/spec_decode/speculator.py, docs/spec-decode.md): decoding sequences get lookahead slots
+from the scheduler, `execute_step` asks the proposer for tokens after the block moves and the
+target computes each such sequence's last token and its proposals in one varlen step; `step()`
+verifies them (engine/spec_decode/rejection.py), appends the accepted tokens one by one through
+the same post-processing (a stop condition ends the sequence there), advances
+`num_computed_tokens` by the accepted proposals only, commits only their full blocks to the
+prefix cache and gives back the slots past them.
 """
 
 from __future__ import annotations
@@ -41,6 +50,9 @@ from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import make_proposer
+from engine.spec_decode.rejection import Verdict
+from engine.spec_decode.speculator import SpecCounters, Speculator
 from engine.stats import EngineStats
 from engine.stop_strings import StopMatch
 from engine.structured_output import StructuredOutputCompiler, grammar_for, make_compiler
@@ -97,6 +109,12 @@ class LLMEngine:
         self._compiler: Optional[StructuredOutputCompiler] = None
         self._compiler_lock = threading.Lock()
         self._calibrate_kv_scales()
+        self.speculator: Optional[Speculator] = None
+        if config.speculative_config is not None:
+            spec = config.speculative_config
+            self.speculator = Speculator(spec, make_proposer(self, spec),  # type: ignore[arg-type]
+                                         mc.vocab_size)
+            self.scheduler.lookahead = self.speculator.num_lookahead
 
     def _start_tensor_parallel(self, model: Union[str, None, LoadedModel], dtype: torch.dtype,
                                device: Union[str, torch.device]) -> LoadedModel:
@@ -271,6 +289,8 @@ class LLMEngine:
         """Stops the request wherever it is and frees its blocks; unknown ids are ignored."""
         if self.scheduler.abort(request_id) is not None:
             self._groups.pop(request_id, None)
+            if self.speculator is not None:
+                self.speculator.sweep()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -281,9 +301,15 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._check_progress(out)
         sampled, logits = self.execute_step(out)
-        touched = self._sample(sampled, logits) if sampled else []
+        touched = []
+        if sampled:
+            assert logits is not None
+            touched = (self._sample_speculative(sampled, logits, out) if out.lookahead
+                       else self._sample(sampled, logits))
         for group in self.scheduler.remove_finished():
             self._groups.pop(group.request_id, None)
+        if self.speculator is not None:
+            self.speculator.sweep()
         return [self._output(g) for g in touched]
 
     def execute_step(self, out: SchedulerOutput) -> tuple[list[Sequence], Optional[torch.Tensor]]:
@@ -295,14 +321,30 @@ class LLMEngine:
         then advances each sequence's `num_computed_tokens` and enters its newly full blocks
         into the prefix cache. Returns the sequences whose step reached their last token and
         their float32 logits `[len(sequences), vocab]` (None when there are none).
+
+        With lookahead in `out` (speculative decoding), the proposer fills `out.drafts` after
+        the block moves; the drafts' K/V is computed too and a drafting sequence gets
+        `1 + len(draft)` consecutive logits rows. Its scheduled tokens advance as above; the
+        accepted proposals are the caller's to advance (`step()` does, after verification).
         """
         kvm = self.kv_cache_manager
         tables = [kvm.block_table(s.seq_id) for s, _ in out.scheduled]
-        sampled, logits = self.runner.execute(out, tables)
+        if self.speculator is None:
+            sampled, logits = self.runner.execute(out, tables)
+        else:
+            sampled, logits = self.runner.execute(out, tables, lambda: self._propose(out, tables))
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             kvm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         return sampled, logits
+
+    def _propose(self, out: SchedulerOutput, tables: list[list[int]]) -> dict[int, list[int]]:
+        """After the step's block moves: the proposer's moves, then `out.drafts`."""
+        assert self.speculator is not None
+        self.speculator.move_blocks(out)
+        if out.lookahead:
+            out.drafts = self.speculator.propose(out, tables)
+        return out.drafts
 
     def next_seq_id(self) -> int:
         """A sequence id no other sequence of this engine has."""
@@ -335,6 +377,44 @@ class LLMEngine:
                 seq.sampling_state.grammar.accept(result.token_ids[j])
             self._post_process(seq)
         return list(dict.fromkeys(s.group for s in targets))
+
+    def _sample_speculative(self, seqs: list[Sequence], logits: torch.Tensor,
+                            out: SchedulerOutput) -> list[SequenceGroup]:
+        """`_sample` for the plain rows, verification for the drafting sequences' rows; then
+        every sequence that had lookahead gives back the slots past its computed tokens."""
+        plain, plain_rows, drafting = [], [], []
+        row = 0
+        for seq in seqs:
+            n = 1 + len(out.drafts.get(seq.seq_id, ()))
+            if n == 1:
+                plain.append(seq)
+                plain_rows.append(row)
+            else:
+                drafting.append((seq, row, n))
+            row += n
+        touched = self._sample(plain, logits[plain_rows]) if plain else []
+        assert self.speculator is not None
+        for seq, row, n in drafting:
+            self._accept(seq, self.speculator.verify(self.sampler, seq, logits[row:row + n]))
+            touched.append(seq.group)
+        kvm = self.kv_cache_manager
+        for seq, _ in out.scheduled:
+            if seq.seq_id in out.lookahead and kvm.is_resident(seq.seq_id):
+                kvm.trim(seq.seq_id, seq.num_computed_tokens)
+        return list(dict.fromkeys(touched))
+
+    def _accept(self, seq: Sequence, verdict: Verdict) -> None:
+        """Appends the verified tokens one by one through post-processing (a stop ends the
+        sequence there and drops the rest); a sequence still running has its accepted
+        proposals counted as computed and their full blocks committed."""
+        for token, logprob, top in zip(verdict.token_ids, verdict.logprobs,
+                                       verdict.top_logprobs):
+            seq.append_token(token, logprob, top)
+            self._post_process(seq)
+            if seq.is_finished:
+                return
+        seq.num_computed_tokens += verdict.num_accepted
+        self.kv_cache_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         child = parent.fork(self.next_seq_id(), index)
@@ -411,15 +491,21 @@ class LLMEngine:
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
-        """A snapshot of queue lengths, KV usage, prefix-cache counters and preemptions."""
+        """A snapshot of queue lengths, KV usage, prefix-cache counters, preemptions and
+        speculative decoding counters."""
         kvm = self.kv_cache_manager
         sched = self.scheduler
+        spec = self.speculator.counters() if self.speculator is not None else SpecCounters()
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_swapped=len(sched.swapped), kv_cache_usage_perc=kvm.usage(),
             prefix_cache_queries=kvm.prefix_cache_queries,
             prefix_cache_hits=kvm.prefix_cache_hits, num_preemptions=sched.num_preemptions,
-            num_free_blocks=kvm.num_free_blocks, num_total_blocks=kvm.num_blocks)
+            num_free_blocks=kvm.num_free_blocks, num_total_blocks=kvm.num_blocks,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=spec.accepted_per_pos)
 
     def check_integrity(self) -> None:
         """The KV cache manager's invariants, and that exactly the running sequences hold device

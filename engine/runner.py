@@ -6,12 +6,16 @@ and `positions` `[num_tokens]`, and the `AttentionMetadata` (`slot_mapping`, pad
 exactly one query token). Before the forward it performs the scheduler's block moves in the only
 safe order: swap out (device blocks may be reused by this step), swap in, copy-on-write copies.
 It returns float32 logits only for the sequences whose step reaches their last token.
+
+Speculative decoding: `drafts` maps a sequence id to proposed tokens that the step computes after
+the sequence's scheduled tokens (slots already allocated); such a sequence is sampled and gets a
+logits row for its last scheduled token and for each proposal (1 + len(draft) consecutive rows).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -35,12 +39,18 @@ class StepInputs:
 
 def build_inputs(scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]],
                  block_size: int, backend: str = "auto",
-                 device: torch.device | str = "cpu") -> StepInputs:
+                 device: torch.device | str = "cpu",
+                 drafts: Optional[dict[int, list[int]]] = None) -> StepInputs:
     """Builds the step's tensors for `scheduled` `(sequence, num_new_tokens)` pairs, where
-    `block_tables[i]` is the block table of the i-th scheduled sequence."""
+    `block_tables[i]` is the block table of the i-th scheduled sequence; `drafts` as in the
+    module docstring (their tokens follow the scheduled ones; `logits_indices` then lists
+    every row of a drafting sequence)."""
     num_seqs = len(scheduled)
+    drafts = drafts or {}
+    extra = np.fromiter((len(drafts.get(s.seq_id, ())) for s, _ in scheduled), np.int64,
+                        num_seqs)
     starts = np.fromiter((s.num_computed_tokens for s, _ in scheduled), np.int64, num_seqs)
-    q_lens = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
+    q_lens = np.fromiter((n for _, n in scheduled), np.int64, num_seqs) + extra
     cu = np.zeros(num_seqs + 1, np.int64)
     np.cumsum(q_lens, out=cu[1:])
     num_tokens = int(cu[-1])
@@ -53,6 +63,8 @@ def build_inputs(scheduled: list[tuple[Sequence, int]], block_tables: list[list[
             input_ids.append(seq.token_ids[start])
         else:
             input_ids.extend(seq.token_ids[start:start + n])
+        if drafts:
+            input_ids.extend(drafts.get(seq.seq_id, ()))
 
     max_blocks = max(len(t) for t in block_tables)
     tables = np.zeros((num_seqs, max_blocks), np.int32)
@@ -63,7 +75,10 @@ def build_inputs(scheduled: list[tuple[Sequence, int]], block_tables: list[list[
     seq_lens = (starts + q_lens).astype(np.int32)
 
     ends = starts + q_lens
-    sampled = [i for i, (seq, _) in enumerate(scheduled) if ends[i] == seq.num_tokens]
+    sampled = [i for i, (seq, _) in enumerate(scheduled) if ends[i] == seq.num_tokens + extra[i]]
+    rows = 1 + extra[sampled]  # logits rows per sampled sequence
+    first = np.repeat(cu[1:][sampled] - rows, rows)
+    logits_indices = first + np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
     decode = bool((q_lens == 1).all())
     to = torch.device(device)
     meta = AttentionMetadata(
@@ -77,7 +92,7 @@ def build_inputs(scheduled: list[tuple[Sequence, int]], block_tables: list[list[
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=to),
         positions=torch.from_numpy(positions).to(to),
         meta=meta,
-        logits_indices=torch.from_numpy(cu[1:][sampled] - 1).to(to),
+        logits_indices=torch.from_numpy(logits_indices).to(to),
         sampled_seqs=[scheduled[i][0] for i in sampled],
     )
 
@@ -99,14 +114,17 @@ class ModelRunner:
         self.kv_cache.copy(out.block_copies)
 
     @torch.inference_mode()
-    def forward(self, scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]]
+    def forward(self, scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]],
+                drafts: Optional[dict[int, list[int]]] = None
                 ) -> tuple[list[Sequence], Optional[torch.Tensor]]:
-        """Computes the scheduled tokens' K/V; returns the sequences to sample and their float32
-        logits `[len(sequences), vocab]` (None when no sequence reached its last token)."""
+        """Computes the scheduled tokens' K/V (and the `drafts`' tokens', see the module
+        docstring); returns the sequences to sample and their float32 logits, one row per
+        sequence, `1 + len(draft)` rows for one with a draft (None when no sequence reached
+        its last token)."""
         if not scheduled:
             return [], None
         inputs = build_inputs(scheduled, block_tables, self.kv_cache.block_size, self.backend,
-                              self.device)
+                              self.device, drafts)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.device_caches,
                             inputs.meta, self.kv_cache.scales)
         if not inputs.sampled_seqs:
@@ -114,8 +132,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return inputs.sampled_seqs, logits.float()
 
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]],
+                propose: Optional[Callable[[], dict[int, list[int]]]] = None
                 ) -> tuple[list[Sequence], Optional[torch.Tensor]]:
-        """Moves the step's blocks, then runs `forward` on the scheduled sequences."""
+        """Moves the step's blocks, then runs `forward` on the scheduled sequences; `propose`
+        (speculative decoding), called between the two, returns the step's drafts."""
         self.move_blocks(out)
-        return self.forward(out.scheduled, block_tables)
+        drafts = propose() if propose is not None else None
+        return self.forward(out.scheduled, block_tables, drafts)

@@ -74,7 +74,7 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1)
         token_ids = chosen.tolist()
         chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
-        top = _top_logprobs(logprobs, params, token_ids, chosen_lp)
+        top = top_logprobs(logprobs, params, token_ids, chosen_lp)
         return SamplerOutput(token_ids, chosen_lp, top)
 
     @staticmethod
@@ -84,7 +84,7 @@ class Sampler:
     @staticmethod
     def _random(x: torch.Tensor, rows: list[int], states: list[SamplingState]) -> torch.Tensor:
         probs = sampling_probs(x, [states[i].params for i in rows])
-        return _draw(probs, [states[i].generator for i in rows])
+        return draw(probs, [states[i].generator for i in rows])
 
     def processed_logits(self, logits: torch.Tensor,
                          states: list[SamplingState]) -> torch.Tensor:
@@ -252,7 +252,7 @@ def _kept_counts(sub: torch.Tensor, values: torch.Tensor, top_k: torch.Tensor,
     return n_keep, incomplete
 
 
-def _draw(probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
+def draw(probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
     """One token per row with probability proportional to `probs`, by inverting the row's
     cumulative distribution at one uniform draw from the row's own generator (or torch's global
     one)."""
@@ -288,7 +288,7 @@ def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     return index.gather(1, x.gather(1, index).argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
-def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams],
+def top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams],
                   token_ids: list[int], chosen_lp: list[float]
                   ) -> list[Optional[dict[int, float]]]:
     """For rows with `logprobs=n`: the n best raw log-probabilities (`logprobs` is the raw

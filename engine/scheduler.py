@@ -14,6 +14,12 @@ Under a contiguous-reservation policy (`EngineConfig.kv_allocation`, engine/kv_a
 waiting sequence is admitted only when the whole reservation of its request (from its prompt
 length and its `max_tokens` resolved against `max_model_len`) fits in the free blocks; a
 recompute-preempted sequence gives its reservation back and reserves again when readmitted.
+
+Speculative decoding (engine/spec_decode/): when `lookahead` is set, a running sequence that
+decodes (one uncomputed token, some output) gets `lookahead(seq)` extra slots for the tokens the
+proposer will guess, capped by the budget left, `max_model_len` and its `max_tokens`; they count
+against the token budget. When the running batch's blocks run short, its lookahead is dropped
+before anything is preempted. Swapped-in sequences and `schedule_seqs` get none.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from engine.block_pool import BlockCopy
 from engine.config import EngineConfig
@@ -34,13 +40,19 @@ from engine.request import Sequence, SequenceGroup, SequenceStatus
 class SchedulerOutput:
     """One step's work: `(sequence, number of its next tokens to compute)` in batch order, and
     the block moves the runner performs before the forward, in this order: `swap_out`
-    (device -> host), `swap_in` (host -> device), `block_copies` (copy-on-write)."""
+    (device -> host), `swap_in` (host -> device), `block_copies` (copy-on-write).
+
+    `lookahead`: sequence id -> extra slots allocated after its scheduled tokens for proposals
+    (speculative decoding); `drafts`: sequence id -> the proposed token ids the step computes
+    after its scheduled tokens (filled by `LLMEngine.execute_step`, at most `lookahead`)."""
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     swap_out: list[BlockCopy] = field(default_factory=list)
     swap_in: list[BlockCopy] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
+    lookahead: dict[int, int] = field(default_factory=dict)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -56,7 +68,8 @@ class Scheduler:
     """Owns the waiting, running and swapped queues and decides each step's batch.
 
     `max_model_len` is the engine's resolved limit (default: `config.max_model_len`); a
-    reservation policy needs one (ValueError when neither is given)."""
+    reservation policy needs one (ValueError when neither is given). `lookahead`: None, or
+    how many tokens a decoding sequence would speculate (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
                  max_model_len: Optional[int] = None) -> None:
@@ -70,6 +83,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []  # sorted by arrival
         self.num_preemptions = 0
+        self.lookahead: Optional[Callable[[Sequence], int]] = None
 
     # ------------------------------------------------------------------ queues
     def add(self, group: SequenceGroup) -> None:
@@ -145,19 +159,37 @@ class Scheduler:
     def _num_seqs_scheduled(self) -> int:
         return sum(g.num_seqs_needed for g in self.running)
 
-    def _give_tokens(self, seqs: list[Sequence], budget: int,
-                     max_seqs: Optional[int] = None) -> list[tuple[Sequence, int]]:
+    def _give_tokens(self, seqs: list[Sequence], budget: int, max_seqs: Optional[int] = None,
+                     speculate: bool = False) -> list[tuple[Sequence, int]]:
         """Shares of `budget` in the order of `seqs`: each sequence gets `min(its uncomputed
-        tokens, budget left)`; those given nothing get no share; at most `max_seqs` shares."""
+        tokens, budget left)`, plus its lookahead when `speculate`; those given nothing get no
+        share; at most `max_seqs` shares."""
         shares: list[tuple[Sequence, int]] = []
         for seq in seqs:
             if len(shares) == max_seqs:
                 break
             n = min(seq.num_uncomputed_tokens, budget)
+            if speculate and n == 1:
+                n += self._num_lookahead(seq, budget - 1)
             if n > 0:
                 shares.append((seq, n))
                 budget -= n
         return shares
+
+    def _num_lookahead(self, seq: Sequence, room: int) -> int:
+        """Extra slots for a decoding sequence's proposals: `lookahead(seq)` capped by `room`
+        (budget), `max_model_len` (positions) and `max_tokens` (no proposal past the last
+        output token)."""
+        if self.lookahead is None or seq.num_uncomputed_tokens != 1 \
+                or not seq.output_token_ids:
+            return 0
+        k = min(self.lookahead(seq), room)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - seq.num_tokens)
+        max_tokens: Any = seq.group.params.max_tokens
+        if max_tokens is not None:
+            k = min(k, max_tokens - len(seq.output_token_ids) - 1)
+        return max(0, k)
 
     def _blocks_needed(self, shares: list[tuple[Sequence, int]]) -> int:
         kvm = self.kv_cache_manager
@@ -171,7 +203,10 @@ class Scheduler:
             if copies is None:
                 return False
             out.block_copies.extend(copies)
-            out.scheduled.append((seq, n))
+            extra = n - min(n, seq.num_uncomputed_tokens)
+            out.scheduled.append((seq, n - extra))
+            if extra:
+                out.lookahead[seq.seq_id] = extra
         return True
 
     def _allocate_checked(self, out: SchedulerOutput, shares: list[tuple[Sequence, int]]
@@ -199,7 +234,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             group = self.running[i]
-            shares = self._give_tokens(group.seqs_with_status(SequenceStatus.RUNNING), budget)
+            seqs = group.seqs_with_status(SequenceStatus.RUNNING)
+            speculate = self.lookahead is not None
+            shares = self._give_tokens(seqs, budget, speculate=speculate)
+            if speculate and self._blocks_needed(shares) > self.kv_cache_manager.num_free_blocks:
+                shares = self._give_tokens(seqs, budget)  # no lookahead before preempting
             while self._blocks_needed(shares) > self.kv_cache_manager.num_free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim, out)

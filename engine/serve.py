@@ -8,6 +8,7 @@ ready `/health` and the API answer 503. See docs/serving.md for the endpoints an
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -16,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 from engine.config import KV_ALLOCATIONS, KV_CACHE_DTYPES, QUANTIZATION_MODES
 from engine.server import access, connections, limits, model_options, shutdown
+from engine.speculative_config import SpeculativeConfig
 
 #: Environment variable read when no flag gives the API key (then vLLM's VLLM_API_KEY).
 API_KEY_ENV = access.API_KEY_ENVS[0]
@@ -46,6 +48,20 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """A JSON object of vLLM's `speculative_config` keys, checked (argparse-friendly errors)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as "
+                                         f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                                         f"3}}', got {text!r} ({exc})") from None
+    try:
+        return SpeculativeConfig.from_dict(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=True,
                    help="calibrate an 8-bit cache's scales on the first step when the model file "
                         "has none (off: 1.0 for fp8; int8 then needs scales in the file)")
+    p.add_argument("--speculative-config", type=parse_speculative_config, default=None,
+                   help="speculative decoding as vLLM's JSON: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 3}', or method draft_model with \"model\" "
+                        "or \"draft_layers\" (docs/spec-decode.md)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="refuse (429) new requests while this many already wait")
     p.add_argument("--max-request-bytes", type=parse_size, default=4 << 20,
@@ -151,7 +171,8 @@ def engine_builder(args: argparse.Namespace,
             kv_allocation=args.kv_allocation, kv_cache_dtype=args.kv_cache_dtype,
             calculate_kv_scales=args.calculate_kv_scales,
             tensor_parallel_size=args.tensor_parallel_size,
-            tensor_parallel_threads=args.num_threads or 1)
+            tensor_parallel_threads=args.num_threads or 1,
+            speculative_config=args.speculative_config)
         dtype = getattr(torch, _DTYPES[args.dtype])
         engine = LLMEngine(args.model, dtype=dtype, config=config, device=options.device)
         if options.chat_template is not None:

@@ -133,14 +133,17 @@ def test_killed_worker_raises_within_seconds_and_leaves_no_process(two_ranks):
 
 
 def test_four_ranks_replicate_kv_heads_and_equal_one_process_under_swap(tiny):
+    """Also with n-gram speculation on the 4 ranks: the drafts travel in the step message."""
     swap = {**TINY_POOL, "preemption_mode": "swap"}  # swap-out / swap-in on every rank
     want = run_cases(LLM(tiny, **swap))
-    llm = LLM(tiny, tensor_parallel_size=4, **swap)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = LLM(tiny, tensor_parallel_size=4, speculative_config=ngram, **swap)
     pids = worker_pids(llm)
     assert len(pids) == 3
     try:
         assert llm.llm_engine.kv_cache.device_caches[0][0].shape[1] == 1  # 2 KV heads, 4 ranks
         assert run_cases(llm) == want
+        assert llm.llm_engine.stats().spec_decode_num_draft_tokens > 0
     finally:
         llm.shutdown()
     assert_gone(pids)
@@ -162,6 +165,9 @@ def test_heads_that_do_not_divide_fail_before_spawning(tiny):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValueError, match="3"):
         LLM(tiny, tensor_parallel_size=3, **TINY_POOL)
+    with pytest.raises(ValueError, match=r"draft_layers.*tensor_parallel_size=1"):
+        LLM(tiny, tensor_parallel_size=2, speculative_config={"draft_layers": 1,
+                                                              "num_speculative_tokens": 2})
     after = {p.pid for p in psutil.Process().children(recursive=True)}
     assert after <= before
 

@@ -21,7 +21,7 @@ import multiprocessing.connection
 import os
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -118,15 +118,18 @@ class TensorParallelExecutor:
         self._moves.swap_in += out.swap_in
         self._moves.copies += out.block_copies
 
-    def forward(self, scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]]
+    def forward(self, scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]],
+                drafts: Optional[dict[int, list[int]]] = None
                 ) -> tuple[list[Sequence], Optional[torch.Tensor]]:
-        """As `ModelRunner.forward`, on every rank: one message to the workers, then the
+        """As `ModelRunner.forward` (`drafts`: speculative decoding's proposals, computed after
+        their sequences' scheduled tokens), on every rank: one message to the workers, then the
         driver's shard; returns the sequences to sample and the driver's logits."""
         assert self.kv_cache is not None
         self._check()
         if not scheduled:
             return [], None
-        inputs = build_inputs(scheduled, block_tables, self.kv_cache.block_size, self.backend)
+        inputs = build_inputs(scheduled, block_tables, self.kv_cache.block_size, self.backend,
+                              drafts=drafts)
         message, self._moves = self._moves, StepMessage()
         message.inputs = StepTensors(inputs.input_ids, inputs.positions, inputs.meta,
                                      inputs.logits_indices)
@@ -138,11 +141,15 @@ class TensorParallelExecutor:
             raise self._fail(exc) from exc
         return (inputs.sampled_seqs, logits) if inputs.sampled_seqs else ([], None)
 
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]],
+                propose: Optional[Callable[[], dict[int, list[int]]]] = None
                 ) -> tuple[list[Sequence], Optional[torch.Tensor]]:
-        """Moves the step's blocks, then runs `forward`: one message per step."""
+        """Moves the step's blocks, then runs `forward`: one message per step. `propose`
+        (speculative decoding, on the driver only), called between the two, returns the
+        step's drafts."""
         self.move_blocks(out)
-        return self.forward(out.scheduled, block_tables)
+        drafts = propose() if propose is not None else None
+        return self.forward(out.scheduled, block_tables, drafts)
 
     def _send(self, message: Any) -> None:
         try:

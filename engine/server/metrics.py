@@ -1,7 +1,8 @@
 """Prometheus metrics under vLLM's names, in a registry of their own (one per server).
 
 Gauges follow the engine's `stats()` snapshot after every step; the engine's cumulative counts
-(prefix-cache queries and hits, preemptions) are turned into counter increments; token counters and
+(prefix-cache queries and hits, preemptions, speculative decoding's drafts, draft tokens and
+accepted tokens, the last also by position) are turned into counter increments; token counters and
 latency histograms are fed per request by `engine.server.async_engine`. Every metric carries the
 `model_name` label, as vLLM's do.
 """
@@ -23,7 +24,11 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 #: Cumulative counters in the engine's stats() -> our counter attribute.
 _ENGINE_COUNTERS = {"prefix_cache_queries": "prefix_cache_queries",
                     "prefix_cache_hits": "prefix_cache_hits",
-                    "num_preemptions": "num_preemptions"}
+                    "num_preemptions": "num_preemptions",
+                    "spec_decode_num_drafts": "spec_decode_num_drafts",
+                    "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+                    "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens"}
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -72,9 +77,21 @@ class ServerMetrics:
                                              _ITL_BUCKETS)
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
                                              "Arrival to the last token.", _E2E_BUCKETS)
+        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts",
+                                              "Speculative verification steps (one per sequence "
+                                              "with proposals).")
+        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                                    "Proposed (draft) tokens.")
+        self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                                       "Proposed tokens the target accepted.")
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposed tokens by position in the draft (0: the first).",
+            ["model_name", "position"], registry=r)
         self.engine_loop_restarts = counter("engine:engine_loop_restarts",
                                             "Restarts of the engine loop after its thread died.")
         self._engine_counts = {key: 0 for key in _ENGINE_COUNTERS}
+        self._per_pos_counts: list[int] = []
 
     def update_from_stats(self, stats: Any) -> None:
         """Sets the gauges and advances the engine-side counters from an engine stats snapshot
@@ -92,6 +109,17 @@ class ServerMetrics:
             if value > self._engine_counts[key]:
                 getattr(self, attr).inc(value - self._engine_counts[key])
                 self._engine_counts[key] = value
+        self._advance_per_pos(get(_PER_POS, ()) or ())
+
+    def _advance_per_pos(self, counts: Any) -> None:
+        """Advances the per-position accepted-token counters to the engine's `counts`."""
+        for pos, value in enumerate(counts):
+            if pos == len(self._per_pos_counts):
+                self._per_pos_counts.append(0)
+            if value > self._per_pos_counts[pos]:
+                self.spec_decode_num_accepted_tokens_per_pos.labels(
+                    self.model_name, str(pos)).inc(value - self._per_pos_counts[pos])
+                self._per_pos_counts[pos] = value
 
     def set_baseline(self, stats: Any) -> None:
         """Takes the engine's cumulative counts in `stats` as the zero of the counters (work done
@@ -99,6 +127,7 @@ class ServerMetrics:
         get = stats.get if isinstance(stats, dict) else (lambda k, d=None: getattr(stats, k, d))
         for key in _ENGINE_COUNTERS:
             self._engine_counts[key] = int(get(key, 0) or 0)
+        self._per_pos_counts = [int(v) for v in get(_PER_POS, ()) or ()]
 
     def observe_finished(self, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()
