@@ -6,9 +6,12 @@ The model: random float32 weights in the layer shapes of the default model (Smol
 layers, hidden 576, MLP 1536, head size 64) but 8 query heads over 4 KV heads, which split over
 2 ranks (the default model's 9 heads do not), and tests/family_case.py's 300-token vocabulary.
 
-    python -m bench.tp_step [--out DIR] [--steps 10]
+    python -m bench.tp_step [--out DIR] [--steps 10] [--device cpu|cuda]
 
-Prints a markdown table and writes `tp_step.json` into `--out` when given. The collective time is
+Prints a markdown table and writes `tp_step.json` into `--out` when given; first each engine
+generates greedily for a few prompts, and `greedy_equal` says whether N = 2 gave N = 1's tokens.
+On `--device cuda` the ranks use NCCL, one GPU each (`bench.gpu_check` runs it when it sees two
+GPUs). The collective time is
 measured on the driver around each `torch.distributed` call, so it includes waiting for the
 slower rank (skew), not only the bytes on the wire.
 """
@@ -119,17 +122,34 @@ def write_model(path: str) -> str:
     return write_checkpoint(path, config)
 
 
-def measure(model: str, size: int, threads: int, steps: int) -> dict[str, dict]:
+def greedy_tokens(engine: LLMEngine, new_tokens: int = 16) -> list[list[int]]:
+    """Greedy continuations of 4 fixed prompts (the N = 1 / N = 2 equality check)."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"g{i}", [1] + [3 + (i * 31 + j * 7) % 290 for j in range(9 + i)],
+                           params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[f"g{i}"] for i in range(4)]
+
+
+def measure(model: str, size: int, threads: int, steps: int,
+            device: str = "cpu") -> dict[str, Any]:
     torch.set_num_threads(threads)
     config = EngineConfig(num_kv_blocks=512, enable_prefix_caching=False,
                           max_num_batched_tokens=1024, tensor_parallel_size=size,
                           tensor_parallel_threads=threads)
-    engine = LLMEngine(model, torch.float32, config)
+    engine = LLMEngine(model, torch.float32, config, device=device)
     mc = engine.model_config
     clock = CollectiveClock()
-    clock.install()
     try:
-        return {"decode_1": decode(engine, clock, 1, steps),
+        greedy = greedy_tokens(engine)
+        clock.install()
+        return {"greedy": greedy,
+                "decode_1": decode(engine, clock, 1, steps),
                 "decode_16": decode(engine, clock, 16, steps),
                 "prefill_512": prefill(engine, clock, 512, max(3, steps // 3)),
                 "model": {"num_layers": mc.num_hidden_layers, "hidden_size": mc.hidden_size}}
@@ -143,14 +163,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="folder for tp_step.json")
     p.add_argument("--steps", type=int, default=10, help="timed steps per decode case")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="tp-step-") as folder:
         model = write_model(folder)
-        results = {"N=1 (2 threads)": measure(model, 1, 2, args.steps),
-                   "N=2 (1 thread each)": measure(model, 2, 1, args.steps)}
+        results: dict[str, Any] = {
+            "N=1 (2 threads)": measure(model, 1, 2, args.steps, args.device),
+            "N=2 (1 thread each)": measure(model, 2, 1, args.steps, args.device)}
+    results["greedy_equal"] = (results["N=1 (2 threads)"]["greedy"]
+                               == results["N=2 (1 thread each)"]["greedy"])
+    results["device"] = args.device
     tokens = {"decode_1": 1, "decode_16": 16, "prefill_512": 512}
     model = results["N=1 (2 threads)"]["model"]
     layers, hidden = model["num_layers"], model["hidden_size"]
+    print(f"greedy outputs of N = 2 equal N = 1's: {results['greedy_equal']}")
     print(f"model: {layers} layers, hidden {hidden}; all-reduce bytes "
           "expected per step = 2 x layers x tokens x hidden x 4 (float32)\n")
     print("| case | N=1 step ms | N=2 step ms | N=2/N=1 | N=2 comm share | all-reduce bytes "

@@ -35,6 +35,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert len(settings) == len(tuning.planner_settings()) >= 5
     assert all(r["rc"] == 0 and r["passed"] > 0 and not r.get("failed") for r in settings)
     assert result["tune"] == {"skipped": "times CUDA graphs: GPU only"}
+    assert result["tensor_parallel"]["skipped"].startswith("no GPU")
+    assert "## Tensor parallelism (NCCL" in (tmp_path / "report.md").read_text()
     # at most 8 files come back from a device call
     assert len([f for f in tmp_path.iterdir()]) <= 8 - 2  # + build.log and tune.log on a GPU
 

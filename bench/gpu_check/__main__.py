@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench import kernels
-from bench.gpu_check import kv8_decode, report, tuning
+from bench.gpu_check import kv8_decode, report, tensor_parallel, tuning
 from bench.gpu_check.logged import run_logged
 from bench.timing import median_seconds
 
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                                             args.cpu_smoke, env)),
         ("bench", lambda: measure(cfg, device, args.out)),
         ("kv8", lambda: kv8_decode.rows(cfg, device, result["bench"], deadline - 150)),
+        ("tensor_parallel", lambda: tensor_parallel.run(args.out, device, within(150), env)),
         ("tune", lambda: tuning.tune(args.out, deadline - 75, args.cpu_smoke, env)),
         ("settings", lambda: tuning.settings_conformance(args.out, deadline - 15,
                                                          args.cpu_smoke, env)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 
-from bench.gpu_check import kv8_decode
+from bench.gpu_check import kv8_decode, tensor_parallel
 from cuda.paged_cuda import tune_verdict
 
 BACKEND_ID = re.compile(r"[\[-](cuda-host|cuda|triton|reference)(?=[-\]])")
@@ -180,6 +180,8 @@ def markdown(result: dict) -> str:
     if result.get("kv8") is not None:
         out += ["## Decode over a float8_e4m3fn KV cache (bytes counted as read: 1 per K/V "
                 "element)", "", *kv8_decode.table(result["kv8"]), ""]
+    if result.get("tensor_parallel") is not None:
+        out += tensor_parallel.section(result["tensor_parallel"])
     out += _tuning_sections(result)
     summary = _short_table(bench["results"]) if bench is not None else []
     tune = result.get("tune") or {}
