@@ -108,8 +108,8 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._compiler: Optional[StructuredOutputCompiler] = None
         self._compiler_lock = threading.Lock()
+        self.speculator: Optional[Speculator] = None  # calibration runs without it
         self._calibrate_kv_scales()
-        self.speculator: Optional[Speculator] = None
         if config.speculative_config is not None:
             spec = config.speculative_config
             self.speculator = Speculator(spec, make_proposer(self, spec),  # type: ignore[arg-type]

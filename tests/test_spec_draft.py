@@ -140,7 +140,7 @@ def test_a_random_request_draws_from_its_processed_distribution(target, hf_targe
     assert torch.equal(proposal.probs.sum(1), torch.ones(K))
 
 
-# ------------------------------------------------------------------- in the engine (k = 3)
+# ------------------------------------------------------- in the engine (k = 1, 3, 5)
 NEW_TOKENS = 20
 #: Engine settings of each case: prefix-cache hits (warm prompts first), preemption by
 #: recompute and by swap, n = 2 (forks share the prompt's blocks: copy-on-write).
@@ -152,6 +152,8 @@ E2E_CASES = {
                  enable_prefix_caching=False),
     "n=2": dict(enable_prefix_caching=False),
 }
+#: k of each case, so that each draft method runs with k = 1, 3 and 5.
+E2E_K = {"prefix": 1, "recompute": 3, "swap": 5, "n=2": 3}
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +169,10 @@ def hf_batch(hf_target, batch):
 @pytest.mark.parametrize("case", list(E2E_CASES))
 @pytest.mark.parametrize("draft", ["model", "layers"])
 def test_greedy_output_with_a_draft_equals_transformers(target, batch, hf_batch, draft, case):
-    spec = ({"method": "draft_model", "model": target, "num_speculative_tokens": K}
+    k = E2E_K[case]
+    spec = ({"method": "draft_model", "model": target, "num_speculative_tokens": k}
             if draft == "model" else
-            {"method": "draft_model", "draft_layers": 2, "num_speculative_tokens": K})
+            {"method": "draft_model", "draft_layers": 2, "num_speculative_tokens": k})
     settings = {"num_kv_blocks": 256, **E2E_CASES[case]}
     llm = LLM(target, dtype=torch.float32, block_size=BLOCK_SIZE, speculative_config=spec,
               **settings)

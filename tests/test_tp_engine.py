@@ -75,11 +75,18 @@ def assert_gone(pids: list[int], within: float = 10.0) -> None:
 
 
 def run_cases(llm: LLM) -> dict[str, list[list[int]]]:
-    """Greedy continuations of: a batch that preempts in `TINY_POOL`, then prompts that share
-    a prefix with one run before them (prefix-cache hits)."""
+    """Greedy continuations of: a batch that preempts in `TINY_POOL`, one prompt with n = 2
+    (copy-on-write), then prompts that share a prefix with one run before them (prefix-cache
+    hits)."""
     batch = prompts(0, lens=(9, 5, 7, 11))
     shared = prompts(1, lens=(14, 13, 12), shared_prefix=8)
     out = {"preempt": greedy(llm, batch)}
+    # n = 2: the two sequences share the prompt's last block, so the first decode copies it
+    # (copy-on-write on every rank's cache)
+    forked = llm.generate([{"prompt_token_ids": batch[0]}],
+                          SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)[0]
+    out["fork"] = [list(c.token_ids) for c in forked.outputs]
     greedy(llm, shared[:1])
     out["prefix"] = greedy(llm, shared[1:])
     stats = llm.llm_engine.stats()
