@@ -23,9 +23,11 @@ def test_auto_on_cpu_loads_nothing_past_its_choice():
         chosen = backends.resolve_backend("auto", q.device)
         print(chosen.name, sorted(backends._instances))
     """)
-    # a minimal environment, but the same HOME (so the same build cache) as the test run
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT),
-           "HOME": os.environ.get("HOME", str(Path.home()))}
+    # a minimal environment, but the same HOME (so the same build cache) as the test run, and
+    # the interpreter's own bin first: torch's build then runs the same ninja as every other
+    # build (ninja of another version discards the build log and rebuilds from scratch)
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "TRITON_INTERPRET": "1",
+           "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", str(Path.home()))}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
