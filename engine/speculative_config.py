@@ -64,10 +64,7 @@ class SpeculativeConfig:
 
     @classmethod
     def _ngram(cls, config: Mapping[str, Any], k: int) -> "SpeculativeConfig":
-        for key in ("model", "draft_layers"):
-            if config.get(key) is not None:
-                raise ValueError(f"speculative_config[{key!r}]: expected no value with method "
-                                 f"'ngram', got {config[key]!r}")
+        _refuse_keys(config, ("model", "draft_layers"), "ngram")
         lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
         if lo is not None:
             lo = _int_at_least("prompt_lookup_min", lo, 1)
@@ -81,10 +78,7 @@ class SpeculativeConfig:
 
     @classmethod
     def _draft_model(cls, config: Mapping[str, Any], k: int) -> "SpeculativeConfig":
-        for key in ("prompt_lookup_max", "prompt_lookup_min"):
-            if config.get(key) is not None:
-                raise ValueError(f"speculative_config[{key!r}]: expected no value with method "
-                                 f"'draft_model', got {config[key]!r}")
+        _refuse_keys(config, ("prompt_lookup_max", "prompt_lookup_min"), "draft_model")
         model, layers = config.get("model"), config.get("draft_layers")
         if (model is None) == (layers is None):
             raise ValueError("speculative_config['model']: expected exactly one of 'model' "
@@ -108,3 +102,11 @@ def _lookup_range(lo: Optional[int], hi: Optional[int]) -> tuple[int, int]:
     if hi is None:
         return lo, max(lo, DEFAULT_LOOKUP_MAX)
     return lo, hi
+
+
+def _refuse_keys(config: Mapping[str, Any], keys: tuple[str, ...], method: str) -> None:
+    """ValueError naming the first of `keys` that has a value: it does not apply to `method`."""
+    for key in keys:
+        if config.get(key) is not None:
+            raise ValueError(f"speculative_config[{key!r}]: expected no value with method "
+                             f"{method!r}, got {config[key]!r}")
