@@ -98,6 +98,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="run the baseline again right before each setting and compare with "
                         "that run (steadier on a shared machine; twice the time)")
     p.add_argument("--quick", action="store_true", help="two prompts per workload, 32 tokens")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, outputs compared; > 0: seeded sampling, whose "
+                        "text repeats itself far less (the back-off's workload)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     return p.parse_args(argv)
 
@@ -128,14 +131,18 @@ def chat_ids(llm: LLM, text: str) -> list[int]:
                       add_special_tokens=False)
 
 
-def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int,
+              temperature: float = 0.0) -> dict[str, Any]:
     """Runs `prompts` together through `llm`'s engine; per request its output ids and the times
-    of its first and last output token, plus the whole run's wall time."""
+    of its first and last output token, plus the whole run's wall time. With `temperature` > 0
+    request i samples with seed i (outputs with and without speculation then differ: the
+    proposals change how the random stream is drawn)."""
     eng = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"p{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        eng.add_request(rid, p, params)
+    for i, (rid, p) in enumerate(zip(ids, prompts)):
+        eng.add_request(rid, p, SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                               ignore_eos=True,
+                                               seed=i if temperature > 0 else None))
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
@@ -173,7 +180,7 @@ def measure(loaded: LoadedModel, spec: Optional[dict], workloads: dict[str, list
     result: dict[str, Any] = {}
     for name, prompts in workloads.items():
         llm = LLM(loaded, block_size=16, num_kv_blocks=4 * blocks, speculative_config=spec)
-        runs = [run_batch(llm, [p], args.max_tokens) for p in prompts]
+        runs = [run_batch(llm, [p], args.max_tokens, args.temperature) for p in prompts]
         result[name] = {"tpot_s": [r["tpot_s"][0] for r in runs],
                         "tokens": [r["tokens"][0] for r in runs], "counters": counters(llm)}
         del llm
@@ -181,7 +188,7 @@ def measure(loaded: LoadedModel, spec: Optional[dict], workloads: dict[str, list
     batch = (everything * -(-args.batch // len(everything)))[:args.batch]
     llm = LLM(loaded, block_size=16, num_kv_blocks=(args.batch + 2) * blocks,
               speculative_config=spec)
-    run = run_batch(llm, batch, args.max_tokens)
+    run = run_batch(llm, batch, args.max_tokens, args.temperature)
     result["batch"] = {"size": len(batch), "wall_s": run["wall_s"],
                        "output_tok_s": sum(map(len, run["tokens"])) / run["wall_s"],
                        "tokens": run["tokens"], "counters": counters(llm)}
@@ -242,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     "threads": args.threads},
         "commit": _commit(), "model": loaded.name, "dtype": args.dtype,
         "quantization": loaded.quantization, "max_tokens": args.max_tokens,
-        "batch": args.batch, "paired": args.paired,
+        "batch": args.batch, "paired": args.paired, "temperature": args.temperature,
         "prompt_lens": {w: [len(p) for p in ps] for w, ps in workloads.items()},
         "settings": results,
     }
