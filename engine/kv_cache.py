@@ -138,6 +138,14 @@ class KVCache:
     def value_caches(self) -> list[torch.Tensor]:
         return [v for _, v in self.device_caches]
 
+    def move_blocks(self, swap_out: Sequence[BlockCopy], swap_in: Sequence[BlockCopy],
+                    copies: Sequence[BlockCopy]) -> None:
+        """A step's block moves in the only safe order: swap out (the step may reuse those
+        device blocks), swap in, then copy-on-write copies."""
+        self.swap_out(swap_out)
+        self.swap_in(swap_in)
+        self.copy(copies)
+
     def copy(self, pairs: Sequence[BlockCopy]) -> None:
         """Copy-on-write: device block `src` to device block `dst` for each pair, every layer."""
         if pairs:

@@ -109,9 +109,7 @@ class ModelRunner:
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write copies (see the module docstring)."""
-        self.kv_cache.swap_out(out.swap_out)
-        self.kv_cache.swap_in(out.swap_in)
-        self.kv_cache.copy(out.block_copies)
+        self.kv_cache.move_blocks(out.swap_out, out.swap_in, out.block_copies)
 
     @torch.inference_mode()
     def forward(self, scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]],

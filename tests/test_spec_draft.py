@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.spec_decode import SpeculativeConfig
+from engine.speculative_config import SpeculativeConfig
 from engine.spec_decode.draft_model import first_layers, make_draft_proposer
 from family_case import prompts, write_checkpoint
 

@@ -111,9 +111,7 @@ class TensorParallelExecutor:
         workers' with the next step's message."""
         assert self.kv_cache is not None
         self._check()
-        self.kv_cache.swap_out(out.swap_out)
-        self.kv_cache.swap_in(out.swap_in)
-        self.kv_cache.copy(out.block_copies)
+        self.kv_cache.move_blocks(out.swap_out, out.swap_in, out.block_copies)
         self._moves.swap_out += out.swap_out
         self._moves.swap_in += out.swap_in
         self._moves.copies += out.block_copies

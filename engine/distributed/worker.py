@@ -88,9 +88,7 @@ def run_step(model: Any, kv_cache: KVCache, message: StepMessage,
     """Moves the step's blocks in this rank's cache, then runs its shard on the step's tensors
     (collective); returns the float32 logits of the rows to sample (None when there are none
     or the step runs no tokens)."""
-    kv_cache.swap_out(message.swap_out)
-    kv_cache.swap_in(message.swap_in)
-    kv_cache.copy(message.copies)
+    kv_cache.move_blocks(message.swap_out, message.swap_in, message.copies)
     if message.inputs is None:
         return None
     inputs = message.inputs.to(device)

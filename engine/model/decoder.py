@@ -185,6 +185,12 @@ class DecoderLayer(nn.Module):
         return self._row_parallel(out.reshape(num_tokens, -1), self.o_proj, self.o_bias)
 
 
+def sliding_windows(layers: Iterable[DecoderLayer]) -> list[Optional[int]]:
+    """The distinct sliding windows of `layers` (None: full attention), full attention first
+    then by size: the plans a step makes."""
+    return sorted({layer.window for layer in layers}, key=lambda w: -1 if w is None else w)
+
+
 class DecoderForCausalLM(nn.Module):
     """The decoder stack plus the output head: rank `tp.rank`'s shard of it (the whole model for
     `SINGLE`; engine/model/sharding.py says what a rank holds: its `num_local_heads` query heads
@@ -226,8 +232,7 @@ class DecoderForCausalLM(nn.Module):
         self.rotary = self._rotary_embeddings(config, device)
         self.embedding_multiplier = (None if config.embedding_multiplier is None else
                                      torch.tensor(config.embedding_multiplier, dtype=dtype))
-        self.windows = sorted({layer.window for layer in self.layers},
-                              key=lambda w: -1 if w is None else w)
+        self.windows = sliding_windows(self.layers)
 
     @staticmethod
     def _rotary_embeddings(config: DecoderConfig,

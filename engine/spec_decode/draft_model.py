@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from engine.kv_cache import KVCache
-from engine.model.decoder import DecoderForCausalLM
+from engine.model.decoder import DecoderForCausalLM, sliding_windows
 from engine.model.loader import LoadedModel, load_model
 from engine.runner import build_inputs
 from engine.sampler import Sampler, SamplingState, argmax, draw, sampling_probs
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from engine.kv_scales import LayerKVScales
     from engine.request import Sequence
     from engine.scheduler import SchedulerOutput
-    from engine.spec_decode import SpeculativeConfig
+    from engine.speculative_config import SpeculativeConfig
 
 
 def make_draft_proposer(engine: Any, spec_config: "SpeculativeConfig") -> "DraftProposer":
@@ -103,8 +103,7 @@ def first_layers(model: DecoderForCausalLM, num_layers: int) -> DecoderForCausal
     view = copy.copy(model)
     view._modules = dict(model._modules)  # the copy's own table: the target keeps its layers
     view._modules["layers"] = nn.ModuleList(list(model.layers)[:num_layers])
-    view.windows = sorted({layer.window for layer in view.layers},
-                          key=lambda w: -1 if w is None else w)
+    view.windows = sliding_windows(view.layers)
     return view
 
 
@@ -161,9 +160,7 @@ class DraftProposer:
         """Swap out, swap in, then copy-on-write copies on the draft's own cache (the target's
         runner moves the target's cache, which a self-speculating draft shares)."""
         if self.own_cache is not None:
-            self.own_cache.swap_out(out.swap_out)
-            self.own_cache.swap_in(out.swap_in)
-            self.own_cache.copy(out.block_copies)
+            self.own_cache.move_blocks(out.swap_out, out.swap_in, out.block_copies)
 
     def forget(self, seq_id: int) -> None:
         """Drops what the draft's cache holds for `seq_id` (it catches up when it comes back)."""
