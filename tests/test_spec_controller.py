@@ -14,7 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.model.loader import load_model
 from engine.spec_decode import Proposal
-from engine.spec_decode.controller import (PROBE_MAX, PROBE_MIN, Acceptance, SpecController,
+from engine.spec_decode.controller import (PROBE_MAX, Acceptance, SpecController,
                                            StepCosts, expected_tokens)
 
 
