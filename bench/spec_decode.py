@@ -101,6 +101,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy, outputs compared; > 0: seeded sampling, whose "
                         "text repeats itself far less (the back-off's workload)")
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="the interleaved comparison instead (bench/spec_interleaved.py): "
+                        "ROUNDS rounds of every setting on every prompt in one process")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     return p.parse_args(argv)
 
@@ -242,6 +245,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     workloads = {"copy": [chat_ids(probe, t) for t in COPY_PROMPTS[:take]],
                  "fresh": [chat_ids(probe, t) for t in FRESH_PROMPTS[:take]]}
     del probe
+    if args.interleave:
+        from bench.spec_interleaved import run_interleaved
+        report = run_interleaved(loaded, workloads, args)
+        _write(args.out, report)
+        return report
     results: dict[str, Any] = {}
     report = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
