@@ -20,7 +20,12 @@ workloads run at once: output tokens per second with and without speculation.
 The baseline runs first and last (its two runs show the machine's drift during the run); with
 `--paired` it also runs right before each setting, which is then compared with that run.
 
+`--interleave ROUNDS` runs the interleaved comparison instead (bench/spec_interleaved.py):
+plain twice (the A/A noise) and ngram for each `--ngram-k`, every setting on the same prompts
+in one process, on the copy, fresh and fresh-sampled workloads, with bootstrap intervals.
+
     python -m bench.spec_decode --out bench/results/$(date +%F)-spec-decode/result.json
+    python -m bench.spec_decode --interleave 5 --ngram-k 3 5 --max-tokens 64
     python -m bench.spec_decode --quick   # two prompts, 32 tokens: a smoke run
 """
 

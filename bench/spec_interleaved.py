@@ -139,10 +139,25 @@ def run_interleaved(loaded: LoadedModel, prompts: dict[str, list[list[int]]],
         "prompt_lens": {w: [len(p) for p in ps] for w, ps in prompts.items()},
         "baseline_tpot_ms": {w: 1e3 * statistics.median(_flat(tpot[w]["none"]))
                              for w in workloads},
-        "results": rows, "tpot_s": tpot,
+        "results": rows, "step_costs": {s: learnt_costs(llm) for s, llm in engines.items()
+                                        if llm.llm_engine.speculator is not None},
+        "tpot_s": tpot,
     }
     print_table(report)
     return report
+
+
+def learnt_costs(llm: LLM) -> dict[str, Any]:
+    """What the engine's controller learnt by the end of the run: T(R) in ms for R = 1..k+1
+    (R query rows at concurrency 1), T(R) / T(1), the fitted relative cost per row and the
+    proposer's ms per token."""
+    spec = llm.llm_engine.speculator
+    assert spec is not None
+    costs = spec.controller.costs
+    rows = range(1, spec.config.num_speculative_tokens + 2)
+    ms = {r: 1e3 * costs.step_seconds(r) for r in rows}
+    return {"step_ms": ms, "relative": {r: ms[r] / ms[1] for r in rows},
+            "row_cost": costs.row_cost(), "propose_ms_per_token": 1e3 * costs.propose_seconds}
 
 
 def _flat(rounds: list[list[float]]) -> list[float]:
@@ -184,6 +199,10 @@ def print_table(report: dict[str, Any]) -> None:
                   f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | "
                   f"{r['round_min']:.3f}-{r['round_max']:.3f} | {same} | {acc} | {length} | "
                   f"{hist} | {r.get('probes', '-')} |")
+    for s, c in report["step_costs"].items():
+        rel = ", ".join(f"{r}: {v:.2f}" for r, v in c["relative"].items())
+        print(f"{s}: T(R) / T(1) learnt: {rel}; T(1) = {c['step_ms'][1]:.1f} ms; proposing "
+              f"{c['propose_ms_per_token']:.2f} ms per token")
 
 
 def _commit() -> str:
