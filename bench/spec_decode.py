@@ -252,7 +252,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     del probe
     if args.interleave:
         from bench.spec_interleaved import run_interleaved
-        report = run_interleaved(loaded, workloads, args)
+        report = run_interleaved(loaded, workloads, args, _commit())
         _write(args.out, report)
         return report
     results: dict[str, Any] = {}

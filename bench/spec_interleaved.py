@@ -88,9 +88,9 @@ def workload_params(args: argparse.Namespace) -> dict[str, tuple[str, float]]:
 
 
 def run_interleaved(loaded: LoadedModel, prompts: dict[str, list[list[int]]],
-                    args: argparse.Namespace) -> dict[str, Any]:
-    """The interleaved comparison (module docstring); returns the JSON report and prints its
-    table."""
+                    args: argparse.Namespace, commit: str) -> dict[str, Any]:
+    """The interleaved comparison (module docstring) at git `commit`; returns the JSON report
+    and prints its table."""
     settings = interleaved_settings(args)
     blocks = -(-(max(len(p) for ps in prompts.values() for p in ps) + args.max_tokens) // 16)
     engines = {name: LLM(loaded, block_size=16, num_kv_blocks=2 * blocks,
@@ -133,7 +133,7 @@ def run_interleaved(loaded: LoadedModel, prompts: dict[str, list[list[int]]],
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "torch": torch.__version__,
                     "threads": args.threads, "load_before": os.getloadavg()},
-        "commit": _commit(), "model": loaded.name, "quantization": loaded.quantization,
+        "commit": commit, "model": loaded.name, "quantization": loaded.quantization,
         "max_tokens": args.max_tokens, "rounds": args.interleave,
         "wall_s": time.perf_counter() - started,
         "prompt_lens": {w: [len(p) for p in ps] for w, ps in prompts.items()},
@@ -204,7 +204,3 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{s}: T(R) / T(1) learnt: {rel}; T(1) = {c['step_ms'][1]:.1f} ms; proposing "
               f"{c['propose_ms_per_token']:.2f} ms per token")
 
-
-def _commit() -> str:
-    from bench.spec_decode import _commit as commit
-    return commit()

@@ -74,12 +74,33 @@ def test_costs_are_learnt_and_a_stall_moves_them_little():
         costs.observe(1, 0.010)
         costs.observe(4, 0.013)
     assert costs.seconds(1) == pytest.approx(0.010)
-    assert costs.row_cost() == pytest.approx((0.25 + 0.3 * 3) / (1 + 9))
+    assert costs.row_cost() == pytest.approx(0.1)  # weight 5 at 0.1 against the prior's 2
+    assert costs.seconds(6) == pytest.approx(0.010 * 1.5)  # small steps: on the line
     costs.observe(1, 1.0)  # a 100x stall: clipped to 2x, weighted 0.2
     assert costs.seconds(1) == pytest.approx(0.012)
-    # unmeasured sizes are scaled from the nearest measured one with the fitted row cost
-    rho = costs.row_cost()
-    assert costs.seconds(6) == pytest.approx(0.013 * (1 + 5 * rho) / (1 + 3 * rho))
+
+
+def test_a_size_measured_in_a_stall_does_not_look_dear_for_ever():
+    costs = StepCosts()
+    for _ in range(20):
+        costs.observe(1, 1.0)
+        costs.observe(4, 1.75)
+    for _ in range(3):
+        costs.observe(3, 5.0)  # three steps of 3 rows during a stall
+    assert costs.row_cost() == pytest.approx(0.25)
+    assert costs.seconds(3) == pytest.approx(1.5)
+    ctl = SpecController(3)
+    ctl.costs = costs
+    assert ctl.best_k(0.6) == 2  # 2.0 / T(3) beats 1.6 / T(2) and 2.18 / T(4)
+
+
+def test_large_steps_use_their_own_measurements():
+    costs = StepCosts()
+    for _ in range(3):
+        costs.observe(1, 1.0)
+        costs.observe(40, 4.0)
+    assert costs.seconds(40) == pytest.approx(4.0)
+    assert costs.seconds(42) == pytest.approx(4.0 * (1 + 0.25 * 41) / (1 + 0.25 * 39))
 
 
 def run(ctl: SpecController, accepts, num_tokens: int, cost) -> list[int]:

@@ -8,14 +8,19 @@ per verification and start at `PRIOR_ACCEPTED` / `PRIOR_REJECTED` (alpha = 0.5);
 accepted / (accepted + rejected), the maximum-likelihood rate of a geometric run.
 
 Cost (`StepCosts`): T(R), the seconds of a target step with R query rows in all, learnt from
-the engine's own step timings: per R an average of the step times (each time clipped to
+the engine's own step times: per R an average of the step times (each time clipped to
 [1/`CLIP`, `CLIP`] times the average before it, so one stall moves it little; weight
-`COST_WEIGHT`). An R measured fewer than `MIN_COUNT` times is estimated from the nearest
-measured R' as T(R') (1 + rho (R - 1)) / (1 + rho (R' - 1)), where rho, the cost of one more
-row relative to a one-row step, is fitted to the measured rows 2..`FIT_MAX_ROWS` against T(1),
-starting from `ROW_COST_PRIOR` (a step over 4-6 rows costs about twice a one-row step on a
-weight-bound CPU decode). D, the seconds of proposing one token, is an average of each
-proposal round's time over its longest proposal (0 before any round: n-gram lookups cost ~0).
+`COST_WEIGHT`). Small steps (R <= `FIT_MAX_ROWS`, the rows the quantized block matmul serves)
+follow one line, T(R) = T(1) (1 + rho (R - 1)), once T(1) has `MIN_COUNT` measurements: rho,
+the cost of one more row relative to a one-row step, is the weighted median of the slopes
+(T(R) / T(1) - 1) / (R - 1) of every measured R in 2..`FIT_MAX_ROWS` (weighted by its
+measurements, at most `MAX_WEIGHT`) and of a prior slope `ROW_COST_PRIOR` (weight
+`PRIOR_WEIGHT`; a step over 4-6 rows costs about twice a one-row step on a weight-bound CPU
+decode). One line through a median keeps a size measured rarely, during a stall, from looking
+dear forever (it would never be tried again). A larger R uses its own
+average after `MIN_COUNT` measurements, else the nearest measured size scaled along the line.
+D, the seconds of proposing one token, is an average of each proposal round's time over its
+longest proposal (0 before any round: n-gram lookups cost ~0).
 
 Rule (`SpecController.choose`): for a sequence with acceptance alpha, whose previous step
 shared the batch with B other query rows yielding N other tokens, proposing i tokens yields
@@ -49,7 +54,9 @@ ROW_COST_PRIOR = 0.25
 COST_WEIGHT = 0.2
 CLIP = 2.0
 MIN_COUNT = 3
-FIT_MAX_ROWS = 16
+FIT_MAX_ROWS = 8
+MAX_WEIGHT = 8
+PRIOR_WEIGHT = 2.0
 
 
 def expected_tokens(alpha: float, num_proposed: int) -> float:
@@ -112,29 +119,36 @@ class StepCosts:
                                     + COST_WEIGHT * per_token)
 
     def row_cost(self) -> float:
-        """rho: the cost of one more query row relative to a one-row step, fitted (least squares
-        through the origin, the prior as one point at 2 rows) to the rows 2..FIT_MAX_ROWS
-        measured at least MIN_COUNT times, against T(1); the prior without T(1)."""
-        base = self._mean.get(1) if self._count.get(1, 0) >= MIN_COUNT else None
-        if base is None:
+        """rho: the weighted median of the measured slopes (T(R) / T(1) - 1) / (R - 1), R in
+        2..FIT_MAX_ROWS, and the prior slope; ROW_COST_PRIOR until T(1) is measured MIN_COUNT
+        times."""
+        if self._count.get(1, 0) < MIN_COUNT:
             return ROW_COST_PRIOR
-        num, den = ROW_COST_PRIOR, 1.0
-        for rows in range(2, FIT_MAX_ROWS + 1):
-            if self._count.get(rows, 0) >= MIN_COUNT:
-                num += (self._mean[rows] / base - 1.0) * (rows - 1)
-                den += (rows - 1) ** 2
-        return max(0.0, num / den)
+        base = self._mean[1]
+        points = [(ROW_COST_PRIOR, PRIOR_WEIGHT)]
+        points += [((self._mean[r] / base - 1.0) / (r - 1), min(self._count[r], MAX_WEIGHT))
+                   for r in range(2, FIT_MAX_ROWS + 1) if r in self._mean]
+        points.sort()
+        half, seen = sum(w for _, w in points) / 2, 0.0
+        for slope, weight in points:
+            seen += weight
+            if seen >= half:
+                return max(0.0, slope)
+        raise AssertionError("unreachable: the weights sum to more than half of themselves")
 
     def seconds(self, rows: int) -> Optional[float]:
-        """T(rows): the measured average when there are MIN_COUNT measurements, else scaled from
-        the nearest measured row count with rho; None before any measurement."""
+        """T(rows) (module docstring): on the fitted line for small steps once T(1) is known,
+        else the size's own average after MIN_COUNT measurements, else the nearest measured
+        size scaled along the line; None before any measurement."""
+        rho = self.row_cost()
+        if rows <= FIT_MAX_ROWS and self._count.get(1, 0) >= MIN_COUNT:
+            return self._mean[1] * (1 + rho * (rows - 1))
         if self._count.get(rows, 0) >= MIN_COUNT:
             return self._mean[rows]
         if not self._mean:
             return None
         trusted = [r for r in self._mean if self._count[r] >= MIN_COUNT] or list(self._mean)
         anchor = min(trusted, key=lambda r: (abs(r - rows), r))
-        rho = self.row_cost()
         return self._mean[anchor] * (1 + rho * (rows - 1)) / (1 + rho * (anchor - 1))
 
     def step_seconds(self, rows: int) -> float:
