@@ -20,7 +20,12 @@ workloads run at once: output tokens per second with and without speculation.
 The baseline runs first and last (its two runs show the machine's drift during the run); with
 `--paired` it also runs right before each setting, which is then compared with that run.
 
+`--interleave ROUNDS` runs the interleaved comparison instead (bench/spec_interleaved.py):
+plain twice (the A/A noise) and ngram for each `--ngram-k`, every setting on the same prompts
+in one process, on the copy, fresh and fresh-sampled workloads, with bootstrap intervals.
+
     python -m bench.spec_decode --out bench/results/$(date +%F)-spec-decode/result.json
+    python -m bench.spec_decode --interleave 5 --ngram-k 3 5 --max-tokens 64
     python -m bench.spec_decode --quick   # two prompts, 32 tokens: a smoke run
 """
 
@@ -101,6 +106,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy, outputs compared; > 0: seeded sampling, whose "
                         "text repeats itself far less (the back-off's workload)")
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="the interleaved comparison instead (bench/spec_interleaved.py): "
+                        "ROUNDS rounds of every setting on every prompt in one process")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     return p.parse_args(argv)
 
@@ -242,6 +250,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     workloads = {"copy": [chat_ids(probe, t) for t in COPY_PROMPTS[:take]],
                  "fresh": [chat_ids(probe, t) for t in FRESH_PROMPTS[:take]]}
     del probe
+    if args.interleave:
+        from bench.spec_interleaved import run_interleaved
+        report = run_interleaved(loaded, workloads, args, _commit())
+        _write(args.out, report)
+        return report
     results: dict[str, Any] = {}
     report = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),

@@ -300,6 +300,7 @@ class LLMEngine:
         """Runs one scheduling step; returns outputs of the requests that produced tokens."""
         out = self.scheduler.schedule()
         self._check_progress(out)
+        started = self.speculator.clock() if self.speculator is not None else 0.0
         sampled, logits = self.execute_step(out)
         touched = []
         if sampled:
@@ -309,6 +310,7 @@ class LLMEngine:
         for group in self.scheduler.remove_finished():
             self._groups.pop(group.request_id, None)
         if self.speculator is not None:
+            self.speculator.end_step(out, self.speculator.clock() - started)
             self.speculator.sweep()
         return [self._output(g) for g in touched]
 

@@ -173,16 +173,33 @@ class WrongProposer:
         pass
 
 
+def fake_step_times(llm) -> None:
+    """The speculator's clock advances only when the runner runs a step, by 1 + (R - 1) / 4 for
+    a step of R query rows: the controller's choices no longer depend on the machine."""
+    eng = llm.llm_engine
+    now = [0.0]
+    eng.speculator.clock = lambda: now[0]
+    execute = eng.runner.execute
+
+    def timed(out, tables, propose=None):
+        result = execute(out, tables, propose)
+        now[0] += 1 + (out.num_batched_tokens + sum(map(len, out.drafts.values())) - 1) / 4
+        return result
+
+    eng.runner.execute = timed
+
+
 def test_a_wrong_draft_changes_no_greedy_token_and_backs_off(loaded, prompts, reference):
     llm = make_llm(loaded, ngram(3))
+    fake_step_times(llm)
     fake = WrongProposer(loaded.config.vocab_size, token=0)
     llm.llm_engine.speculator.proposer = fake
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     stats = llm.llm_engine.stats()
     assert stats.spec_decode_num_accepted_tokens == 0
-    # without back-off each request would propose at each of its 15 decode steps; with it, one
-    # failure pauses 4 tokens, the next 8: drafts at outputs 1, 5 and 13
+    # always speculating, each request would propose at each of its 15 decode steps; the
+    # controller stops after a rejection or two and probes after 8 more tokens
     assert stats.spec_decode_num_drafts <= len(prompts) * 3
     check_clean(llm, outs)
     seeded = [SamplingParams(max_tokens=8, temperature=1.0, seed=3)] * 2
