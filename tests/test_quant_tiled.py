@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model.quant import MAX_ROWS, UNTILED_BF16_MAX_ROWS, GGUFBlocks, QuantizedWeight
+from engine.model.quant import (
+    MAX_ROWS,
+    TILED_BF16_MAX_ROWS,
+    UNTILED_BF16_MAX_ROWS,
+    GGUFBlocks,
+    QuantizedWeight,
+)
 from engine.model.quant_tiled import TiledWeight, pack_tiled, tiled_linear
 from engine.native_build import TILED_TIERS, load_tiled
 from paged_kernels.cpp_build import compile_flags
@@ -76,6 +82,17 @@ def test_tiles_take_the_blocks_bytes(qtype):
     weight = pack_tiled(GGUFBlocks(qtype, torch.from_numpy(raw), 96))
     assert weight.packed.numel() == raw.size and weight.shape == (48, 96)
     assert weight.packed.data_ptr() % 64 == 0
+
+
+def test_default_crossovers_follow_the_path_and_format():
+    dense = torch.zeros(16, 64, dtype=torch.bfloat16)
+    for qtype in ("Q4_1", "Q8_0"):
+        raw = random_blocks(np.random.default_rng(4), qtype, 16, 64)
+        blocks = GGUFBlocks(qtype, torch.from_numpy(raw), 64)
+        tiled = QuantizedWeight(pack_tiled(blocks), dense).max_rows
+        assert tiled == TILED_BF16_MAX_ROWS.get(qtype, MAX_ROWS[torch.bfloat16])
+        assert QuantizedWeight(blocks, dense).max_rows == UNTILED_BF16_MAX_ROWS
+        assert QuantizedWeight(blocks, dense.float()).max_rows == MAX_ROWS[torch.float32]
 
 
 @pytest.mark.parametrize("m", [3, 16, 25])

@@ -40,7 +40,8 @@ from engine.model.sharding import take_blocks
 if TYPE_CHECKING:
     from engine.native_build import QuantKernel
 
-__all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "UNTILED_BF16_MAX_ROWS", "QUANTIZATION_MODES",
+__all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "TILED_BF16_MAX_ROWS", "UNTILED_BF16_MAX_ROWS",
+           "QUANTIZATION_MODES",
            "GGUFBlocks", "TiledWeight", "QuantizedWeight", "quantized_linear", "kernel_problem",
            "attach_gguf_weights"]
 
@@ -49,6 +50,10 @@ __all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "UNTILED_BF16_MAX_ROWS", "QUANTIZATI
 #: matmuls on a 2-core Zen 4 (docs/quant.md): bfloat16 on the tiled blocks (`TiledWeight`),
 #: float32 on the file's layout.
 MAX_ROWS = {torch.bfloat16: 32, torch.float32: 8}
+#: Per GGUF format, the tiled bfloat16 path's crossover where it is below `MAX_ROWS[bfloat16]`:
+#: Q8_0 costs more to unpack than Q4_1, and its one matrix here, the output head (49152 rows),
+#: is where oneDNN's dense kernel is at its most efficient.
+TILED_BF16_MAX_ROWS = {"Q8_0": 16}
 #: The crossover of bfloat16 on the file's layout (`quantized_linear`), where the CPU lacks
 #: AVX-512 BF16 and the blocks stay untiled.
 UNTILED_BF16_MAX_ROWS = 4
@@ -73,7 +78,8 @@ class QuantizedWeight:
     `GGUFBlocks`, or tiled, `TiledWeight`, which needs a bfloat16 `dense`) and `dense` (the
     model's own weight, plain or oneDNN-packed, same `[rows, cols]`). The model's `_linear`
     multiplies by the blocks when `use_blocks(x)` (at most `max_rows` rows; default
-    `MAX_ROWS` of the dense dtype, `UNTILED_BF16_MAX_ROWS` for untiled bfloat16) and by `dense`
+    `MAX_ROWS` of the dense dtype; in bfloat16, `TILED_BF16_MAX_ROWS` of the format where it has
+    one, and `UNTILED_BF16_MAX_ROWS` on untiled blocks) and by `dense`
     otherwise; or, when `int8` is set (quantization "gguf-int8"), always by that tiled copy of
     the blocks with int8 activations (engine/model/quant_int8.py)."""
 
@@ -118,9 +124,11 @@ class QuantizedWeight:
 
 
 def _default_max_rows(blocks: Union[GGUFBlocks, TiledWeight], dense: torch.Tensor) -> int:
-    if dense.dtype == torch.bfloat16 and not isinstance(blocks, TiledWeight):
+    if dense.dtype != torch.bfloat16:
+        return MAX_ROWS[dense.dtype]
+    if not isinstance(blocks, TiledWeight):
         return UNTILED_BF16_MAX_ROWS
-    return MAX_ROWS[dense.dtype]
+    return TILED_BF16_MAX_ROWS.get(blocks.qtype, MAX_ROWS[dense.dtype])
 
 
 _extension = None
