@@ -53,7 +53,7 @@ MAX_ROWS = {torch.bfloat16: 32, torch.float32: 8}
 #: Per GGUF format, the tiled bfloat16 path's crossover where it is below `MAX_ROWS[bfloat16]`:
 #: Q8_0 costs more to unpack than Q4_1, and its one matrix here, the output head (49152 rows),
 #: is where oneDNN's dense kernel is at its most efficient.
-TILED_BF16_MAX_ROWS = {"Q8_0": 8}
+TILED_BF16_MAX_ROWS = {"Q8_0": 12}
 #: The crossover of bfloat16 on the file's layout (`quantized_linear`), where the CPU lacks
 #: AVX-512 BF16 and the blocks stay untiled.
 UNTILED_BF16_MAX_ROWS = 4
