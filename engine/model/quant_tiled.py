@@ -4,10 +4,11 @@ The projection weights keep the file's Q4_1 / Q8_0 values exactly, repacked once
 tiles of 16 output features (`TiledWeight`, the same bytes as the file's blocks); a matmul with
 bfloat16 activations forms every product `q x` exactly with AVX-512 BF16's `vdpbf16ps` (16
 features x 2 inputs per instruction, the activation pair broadcast) and sums in float32:
-`y = sum_b d S + m sum(x)` per block, rounded to bfloat16 once. The unpacked weights of a tile
-meet up to 8 activation rows held in registers, so this path beats oneDNN's dense bfloat16 matmul
-up to `engine.model.quant.MAX_ROWS[bfloat16]` rows. `engine/csrc/tiled_matmul.cpp` states the
-arithmetic, the summation order and the packed layout exactly; docs/quant.md has the measurements.
+`y = sum_b d S + m sum(x)` per block (no m for Q8_0), rounded to bfloat16 once. The unpacked
+weights of a tile meet up to 12 activation rows held in registers, so this path beats oneDNN's
+dense bfloat16 matmul up to `engine.model.quant.MAX_ROWS[bfloat16]` rows.
+`engine/csrc/tiled_matmul.cpp` states the arithmetic, the summation order and the packed layout
+exactly; docs/quant.md has the measurements.
 """
 
 from __future__ import annotations
