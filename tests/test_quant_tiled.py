@@ -29,8 +29,8 @@ from paged_kernels.cpp_build import compile_flags
 pytest.importorskip("gguf")
 from test_quant import check, padded_blocks, padded_x, random_blocks  # noqa: E402
 
-#: Row counts: 1-3 (two chains), 4-12 (one group), 13-24 (two groups), 25-36 (three), 37.
-ROWS = (1, 2, 3, 4, 5, 7, 11, 12, 13, 16, 24, 25, 32, 37)
+#: Row counts: 1-3 (two chains), 4-12 (one group), 13-24 (two groups), 25-36 (three), 37-48 (four).
+ROWS = (1, 2, 3, 4, 5, 7, 11, 12, 13, 16, 24, 25, 32, 37, 48)
 
 
 @pytest.fixture(scope="module")

@@ -49,11 +49,11 @@ __all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "TILED_BF16_MAX_ROWS", "UNTILED_BF16
 #: are used; above it the dense weight is. Measured crossovers of SmolLM2-135M's decode-step
 #: matmuls on a 2-core Zen 4 (docs/quant.md): bfloat16 on the tiled blocks (`TiledWeight`),
 #: float32 on the file's layout.
-MAX_ROWS = {torch.bfloat16: 32, torch.float32: 8}
+MAX_ROWS = {torch.bfloat16: 48, torch.float32: 8}
 #: Per GGUF format, the tiled bfloat16 path's crossover where it is below `MAX_ROWS[bfloat16]`:
 #: Q8_0 costs more to unpack than Q4_1, and its one matrix here, the output head (49152 rows),
 #: is where oneDNN's dense kernel is at its most efficient.
-TILED_BF16_MAX_ROWS = {"Q8_0": 12}
+TILED_BF16_MAX_ROWS = {"Q8_0": 16}
 #: The crossover of bfloat16 on the file's layout (`quantized_linear`), where the CPU lacks
 #: AVX-512 BF16 and the blocks stay untiled.
 UNTILED_BF16_MAX_ROWS = 4
