@@ -2,11 +2,13 @@
 headers: a build takes seconds), through the build helper every C++ build shares
 (`paged_kernels.cpp_build`), and wraps them for tensors: `QuantKernel`
 (`engine/csrc/quant_matmul.cpp`, float activations) and `Int8Kernel`
-(`engine/csrc/int8_matmul.cpp`, int8 activations, AVX-512 VNNI).
+(`engine/csrc/int8_matmul.cpp`, int8 activations, AVX-512 VNNI) and `TiledKernel`
+(`engine/csrc/tiled_matmul.cpp`, bfloat16 activations on tiles of the file's weights, AVX-512 BF16).
 
 SIMD tiers (`TIERS`, `INT8_TIERS`): the quantized matmul's AVX-512 path (F/BW/VL, FMA, F16C), with
 the bf16 dot-product path on top when the CPU has AVX-512 BF16; the int8 kernel's AVX-512 VNNI
-path (which also needs BF16, FMA and F16C). Elsewhere the portable C++ path is compiled.
+path (which also needs BF16, FMA and F16C); the tiled bf16 kernel's AVX-512 BF16 path
+(`TILED_TIERS`). Elsewhere the portable C++ path is compiled.
 """
 
 from __future__ import annotations
@@ -18,16 +20,20 @@ import torch
 
 from paged_kernels.cpp_build import BuildFailed, compile_flags, load_library
 
-__all__ = ["SOURCE", "INT8_SOURCE", "TIERS", "INT8_TIERS", "BuildFailed", "QuantKernel",
-           "Int8Kernel", "load_quant", "load_int8"]
+__all__ = ["SOURCE", "INT8_SOURCE", "TILED_SOURCE", "TIERS", "INT8_TIERS", "TILED_TIERS",
+           "BuildFailed", "QuantKernel", "Int8Kernel", "TiledKernel", "load_quant", "load_int8",
+           "load_tiled"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_matmul.cpp"
 INT8_SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_matmul.cpp"
+TILED_SOURCE = Path(__file__).resolve().parent / "csrc" / "tiled_matmul.cpp"
 #: The quantized matmul's SIMD tiers (paged_kernels.cpp_build.ISA): its AVX-512 path, with the
 #: bfloat16 dot-product path for bf16 activations (Zen 4, Sapphire Rapids) where the CPU has it.
 TIERS = ("avx512 + fma + f16c + bf16", "avx512 + fma + f16c")
 #: The int8 kernel's SIMD path: VNNI dot products, bf16 output conversion, f16 scales.
 INT8_TIERS = ("avx512 + vnni + bf16 + fma + f16c",)
+#: The tiled bf16 kernel's SIMD path: vdpbf16ps, nibble table lookups (BW), f16 scales.
+TILED_TIERS = ("avx512 + bf16 + fma + f16c",)
 #: The kernel's codes for the block formats.
 _QTYPES = {"Q4_1": 0, "Q8_0": 1}
 #: The kernels built in this process, per (source, flags).
@@ -146,3 +152,49 @@ def load_int8(cflags: list[str] | None = None) -> Int8Kernel:
     compiled once per machine and flag set. Raises BuildFailed when the compile fails."""
     return _load(Int8Kernel, INT8_SOURCE, "engine_int8", "engine int8 matmul",
                  compile_flags(INT8_TIERS) if cflags is None else cflags)
+
+
+class TiledKernel:
+    """The compiled tiled bf16 kernel, called with tensors (engine/model/quant_tiled.py checks
+    inputs). Every call releases the GIL (ctypes)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._packed_bytes = library.tiled_packed_bytes
+        self._packed_bytes.restype, self._packed_bytes.argtypes = i64, [c_int, i64, i64]
+        self._pack = library.tiled_pack
+        self._pack.restype, self._pack.argtypes = c_int, [ptr, c_int, i64, i64, ptr, c_int]
+        self._linear = library.tiled_linear
+        self._linear.restype = c_int
+        self._linear.argtypes = [ptr, ptr, c_int, ptr, i64, i64, i64, c_int]
+        library.tiled_simd_paths.restype = ctypes.c_char_p
+        self.simd_paths: str = library.tiled_simd_paths().decode()
+        """The code path compiled in: "avx512-bf16" or "portable"."""
+
+    def pack(self, data: torch.Tensor, qtype: str, cols: int, threads: int) -> torch.Tensor:
+        """The tiled form (uint8, 64-byte aligned start) of the `[rows, cols]` weight whose GGUF
+        blocks of format `qtype` are `data` (`GGUFBlocks.data`; tiled_matmul.cpp)."""
+        rows = data.shape[0]
+        out = _aligned_empty(self._packed_bytes(_QTYPES[qtype], rows, cols))
+        failed = self._pack(data.data_ptr(), _QTYPES[qtype], rows, cols, out.data_ptr(),
+                            threads)
+        assert not failed, "tiled_pack refused inputs that GGUFBlocks accepted"
+        return out
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, qtype: str, rows: int,
+               threads: int) -> torch.Tensor:
+        """`x @ W.T` for contiguous bfloat16 `x` `[M, K]`, W the `packed` tiles of `rows`
+        features: `[M, rows]` bfloat16."""
+        y = torch.empty(x.shape[0], rows, dtype=torch.bfloat16)
+        failed = self._linear(x.data_ptr(), packed.data_ptr(), _QTYPES[qtype], y.data_ptr(),
+                              x.shape[0], rows, x.shape[1], threads)
+        assert not failed, "tiled_linear refused checked inputs"
+        return y
+
+
+def load_tiled(cflags: list[str] | None = None) -> TiledKernel:
+    """The tiled bf16 kernel built with `cflags` (default: `compile_flags(TILED_TIERS)`, this
+    CPU's), compiled once per machine and flag set. Tests pass `compile_flags(TILED_TIERS,
+    frozenset())` for the portable build. Raises BuildFailed when the compile fails."""
+    return _load(TiledKernel, TILED_SOURCE, "engine_tiled", "engine tiled bf16 matmul",
+                 compile_flags(TILED_TIERS) if cflags is None else cflags)

@@ -25,6 +25,7 @@ BUILDS = (
     ("engine layer ops", "from engine.model import layer_ops; assert layer_ops.native()"),
     ("engine int8 matmul", "from engine import native_build; native_build.load_int8()"),
     ("engine GGUF matmul", "from engine import native_build; native_build.load_quant()"),
+    ("engine tiled bf16 matmul", "from engine import native_build; native_build.load_tiled()"),
 )
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -37,6 +37,7 @@ from engine.model.config import DecoderConfig
 from engine.model.metadata import AttentionMetadata
 from engine.model.quant import QuantizedWeight, quantized_linear
 from engine.model.quant_int8 import int8_linear
+from engine.model.quant_tiled import tiled_linear
 from engine.model.rope import Rotary, RotaryEmbedding
 from engine.model.sharding import ModelShard, check_tensor_parallel, take
 from engine.parallel_state import SINGLE, TensorParallel
@@ -52,15 +53,16 @@ __all__ = ["DecoderForCausalLM", "DecoderLayer", "KVCache", "check_tensor_parall
 def _linear(x: torch.Tensor, weight: Union[torch.Tensor, QuantizedWeight],
             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)`: with int8 activations when a `QuantizedWeight` has int8 tiles
-    (engine/model/quant_int8.py), from its GGUF blocks when `x` has few rows
-    (engine/model/quant.py), else through oneDNN directly when the weight was packed by
-    `pack_weights`."""
+    (engine/model/quant_int8.py), from its GGUF blocks, tiled or in the file's layout, when `x`
+    has few rows (engine/model/quant.py, quant_tiled.py), else through oneDNN directly when the
+    weight was packed by `pack_weights`."""
     if isinstance(weight, QuantizedWeight):
         out = None
         if weight.int8 is not None:
             out = int8_linear(x, weight.int8)
         elif weight.use_blocks(x):
-            out = quantized_linear(x, weight.blocks)
+            out = (tiled_linear(x, weight.blocks) if weight.tiled
+                   else quantized_linear(x, weight.blocks))
         if out is not None:
             return out if bias is None else out.add_(bias)
         weight = weight.dense

@@ -9,6 +9,11 @@ product uses the file's weights rather than a bfloat16-rounded copy, and a matmu
 step has at most `max_rows` token rows (decode of a few sequences, where the weights' bytes bound
 the time) and the dense path otherwise (prefill, large batches: compute-bound, oneDNN is faster).
 
+In bfloat16 on a CPU with AVX-512 BF16, the blocks are held tiled instead (`TiledWeight`, the same
+bytes repacked once at load time, engine/model/quant_tiled.py): `tiled_linear` forms the same
+exact products 16 output features at a time and reuses each unpacked weight for up to 12 rows,
+so it beats oneDNN over more rows (`MAX_ROWS[torch.bfloat16]`).
+
 `attach_gguf_weights` puts QuantizedWeights into a loaded `DecoderForCausalLM`, fusing the q/k/v and
 gate/up parts the way the model fuses its dense weights (block rows concatenated, the llama.cpp
 rotary row permutation already undone by `engine.model.gguf_reader.gguf_blocks`), or taking a
@@ -21,7 +26,7 @@ multiples of 32).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 import torch
 
@@ -29,18 +34,29 @@ from engine.config import QUANTIZATION_MODES
 from engine.model.checkpoint_names import fused_parts, layer_tensors
 from engine.model.gguf_blocks import BLOCK_BYTES, QK, GGUFBlocks
 from engine.model.quant_int8 import X_DTYPES, Int8Weight, bad_x, pack_int8
+from engine.model.quant_tiled import TiledWeight, pack_tiled, tiled_kernel_problem
 from engine.model.sharding import take_blocks
 
 if TYPE_CHECKING:
     from engine.native_build import QuantKernel
 
-__all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "QUANTIZATION_MODES", "GGUFBlocks",
-           "QuantizedWeight", "quantized_linear", "kernel_problem", "attach_gguf_weights"]
+__all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "TILED_BF16_MAX_ROWS", "UNTILED_BF16_MAX_ROWS",
+           "QUANTIZATION_MODES",
+           "GGUFBlocks", "TiledWeight", "QuantizedWeight", "quantized_linear", "kernel_problem",
+           "attach_gguf_weights"]
 
 #: Per dtype of the dense weight (and the activations): the most token rows for which the blocks
 #: are used; above it the dense weight is. Measured crossovers of SmolLM2-135M's decode-step
-#: matmuls on a 2-core Zen 4 (docs/quant.md): bf16 dense reads 2 bytes a weight, float32 4.
-MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}
+#: matmuls on a 2-core Zen 4 (docs/quant.md): bfloat16 on the tiled blocks (`TiledWeight`),
+#: float32 on the file's layout.
+MAX_ROWS = {torch.bfloat16: 48, torch.float32: 8}
+#: Per GGUF format, the tiled bfloat16 path's crossover where it is below `MAX_ROWS[bfloat16]`:
+#: Q8_0 costs more to unpack than Q4_1, and its one matrix here, the output head (49152 rows),
+#: is where oneDNN's dense kernel is at its most efficient.
+TILED_BF16_MAX_ROWS = {"Q8_0": 16}
+#: The crossover of bfloat16 on the file's layout (`quantized_linear`), where the CPU lacks
+#: AVX-512 BF16 and the blocks stay untiled.
+UNTILED_BF16_MAX_ROWS = 4
 
 
 def quantized_linear(x: torch.Tensor, blocks: GGUFBlocks,
@@ -58,31 +74,43 @@ def quantized_linear(x: torch.Tensor, blocks: GGUFBlocks,
 
 
 class QuantizedWeight:
-    """A projection weight with both forms: `blocks` (the file's) and `dense` (the model's own
-    weight, plain or oneDNN-packed, same `[rows, cols]`). The model's `_linear` multiplies by the
-    blocks when `use_blocks(x)` (at most `max_rows` rows; default `MAX_ROWS` of the dense dtype)
-    and by `dense` otherwise; or, when `int8` is set (quantization "gguf-int8"), always by that
-    tiled copy of the blocks with int8 activations (engine/model/quant_int8.py)."""
+    """A projection weight with both forms: `blocks` (the file's weights, in the file's layout,
+    `GGUFBlocks`, or tiled, `TiledWeight`, which needs a bfloat16 `dense`) and `dense` (the
+    model's own weight, plain or oneDNN-packed, same `[rows, cols]`). The model's `_linear`
+    multiplies by the blocks when `use_blocks(x)` (at most `max_rows` rows; default
+    `MAX_ROWS` of the dense dtype; in bfloat16, `TILED_BF16_MAX_ROWS` of the format where it has
+    one, and `UNTILED_BF16_MAX_ROWS` on untiled blocks) and by `dense`
+    otherwise; or, when `int8` is set (quantization "gguf-int8"), always by that tiled copy of
+    the blocks with int8 activations (engine/model/quant_int8.py)."""
 
-    def __init__(self, blocks: GGUFBlocks, dense: torch.Tensor, max_rows: Optional[int] = None,
-                 int8: Optional[Int8Weight] = None) -> None:
-        if tuple(dense.shape) != blocks.shape:
+    def __init__(self, blocks: Union[GGUFBlocks, TiledWeight], dense: torch.Tensor,
+                 max_rows: Optional[int] = None, int8: Optional[Int8Weight] = None) -> None:
+        if tuple(dense.shape) != tuple(blocks.shape):
             raise ValueError(f"dense: expected shape {blocks.shape} (the blocks'), got "
                              f"{tuple(dense.shape)}")
         if dense.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dense: expected float32 or bfloat16 (the kernel's activation "
                              f"dtypes), got {dense.dtype}")
-        if int8 is not None and int8.shape != blocks.shape:
+        if isinstance(blocks, TiledWeight) and dense.dtype != torch.bfloat16:
+            raise ValueError(f"dense: expected bfloat16 with tiled blocks (the tiled kernel's "
+                             f"activations), got {dense.dtype}")
+        if int8 is not None and int8.shape != tuple(blocks.shape):
             raise ValueError(f"int8: expected shape {blocks.shape} (the blocks'), got "
                              f"{int8.shape}")
         self.blocks = blocks
         self.dense = dense
         self.int8 = int8
-        self.max_rows = MAX_ROWS[dense.dtype] if max_rows is None else max_rows
+        self.max_rows = _default_max_rows(blocks, dense) if max_rows is None else max_rows
 
     @property
     def shape(self) -> torch.Size:
         return self.dense.shape
+
+    @property
+    def tiled(self) -> bool:
+        """Whether the blocks are tiled (`TiledWeight`, read by `tiled_linear`) rather than in
+        the file's layout (`GGUFBlocks`, read by `quantized_linear`)."""
+        return isinstance(self.blocks, TiledWeight)
 
     def use_blocks(self, x: torch.Tensor) -> bool:
         """Whether the model's `_linear(x, self)` reads the blocks (few rows) rather than the
@@ -91,7 +119,16 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         path = "int8" if self.int8 is not None else f"max_rows={self.max_rows}"
+        path += ", tiled" if self.tiled else ""
         return f"QuantizedWeight({self.blocks.qtype}, shape={tuple(self.shape)}, {path})"
+
+
+def _default_max_rows(blocks: Union[GGUFBlocks, TiledWeight], dense: torch.Tensor) -> int:
+    if dense.dtype != torch.bfloat16:
+        return MAX_ROWS[dense.dtype]
+    if not isinstance(blocks, TiledWeight):
+        return UNTILED_BF16_MAX_ROWS
+    return TILED_BF16_MAX_ROWS.get(blocks.qtype, MAX_ROWS[dense.dtype])
 
 
 _extension = None
@@ -123,17 +160,23 @@ def kernel_problem(require_simd: bool = False) -> Optional[str]:
 
 
 def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUFBlocks]],
-                        max_rows: Optional[int] = None, int8: bool = False) -> list[str]:
+                        max_rows: Optional[int] = None, int8: bool = False,
+                        tiled: Optional[bool] = None) -> list[str]:
     """Replaces each projection weight of `model` (a loaded `DecoderForCausalLM`) by a
     `QuantizedWeight` over its GGUF blocks; `blocks` yields `(hugging_face_name, GGUFBlocks)`
     for the file's tensors in a supported format (others are absent: those projections stay
     dense, and so does a fused projection whose parts differ in format). `max_rows`: see
-    `QuantizedWeight`; `int8`: also keep each one's int8 tiles (every matmul then uses them).
+    `QuantizedWeight`; `int8`: also keep each one's int8 tiles (every matmul then uses them);
+    `tiled`: hold the blocks tiled instead of in the file's layout (bfloat16 models only; default:
+    for a bfloat16 model without `int8` when the tiled kernel has its AVX-512 BF16 path).
     Returns the names of the model attributes converted (e.g.
     "layers.0.qkv_proj", "lm_head"). ValueError when blocks do not match the model's shapes.
     Each file tensor is cut to the model's tensor-parallel shard (`model.shard`) as it arrives,
     so only the shard's blocks are ever held."""
     by_name = _shard_blocks(model, blocks)
+    if tiled is None:
+        tiled = (not int8 and model.dtype == torch.bfloat16
+                 and tiled_kernel_problem() is None)
     converted = []
     targets = [(f"layers.{i}.", f"model.layers.{i}.", layer)
                for i, layer in enumerate(model.layers)]
@@ -142,11 +185,11 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
             found = [by_name.get(hf_prefix + part + ".weight") for part in parts]
             if None in found or len({(b.qtype, b.cols) for b in found}) != 1:
                 continue
-            _attach(layer, fused, GGUFBlocks.concat(found), max_rows, int8)
+            _attach(layer, fused, GGUFBlocks.concat(found), max_rows, int8, tiled)
             converted.append(prefix + fused)
     head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     if head in by_name:
-        _attach(model, "lm_head", by_name[head], max_rows, int8)
+        _attach(model, "lm_head", by_name[head], max_rows, int8, tiled)
         converted.append("lm_head")
     return converted
 
@@ -173,8 +216,8 @@ def _shard_blocks(model: torch.nn.Module,
 
 
 def _attach(module: torch.nn.Module, name: str, blocks: GGUFBlocks, max_rows: Optional[int],
-            int8: bool) -> None:
+            int8: bool, tiled: bool) -> None:
     dense = getattr(module, name)
     module._parameters.pop(name, None)  # a Parameter slot takes no other type
-    setattr(module, name, QuantizedWeight(blocks, dense, max_rows,
-                                          pack_int8(blocks) if int8 else None))
+    setattr(module, name, QuantizedWeight(pack_tiled(blocks) if tiled else blocks, dense,
+                                          max_rows, pack_int8(blocks) if int8 else None))

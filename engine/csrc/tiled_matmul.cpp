@@ -1,0 +1,423 @@
+// Tiled bf16 matmul on GGUF weights: y[M, N] = x[M, K] @ W[N, K]^T for bfloat16 x, with W the
+// file's Q4_1 / Q8_0 weights repacked at load time into tiles of 16 output features, the features
+// in the 16 float32 lanes of a zmm (AVX512_BF16's vdpbf16ps). A plain shared library (no torch
+// headers), built at first use by engine/native_build.py, called through ctypes by
+// engine/model/quant_tiled.py.
+//
+// Arithmetic (exact weights; the file's, never a rounded copy), per row r, feature n, block b:
+//   Q4_1: y += d * S + m * sx,  Q8_0: y += d * S,  S = sum_k q_k x_k over the block's 32 k,
+//   with q the block's integer values (Q4_1 nibbles 0..15, Q8_0 int8), exact in bf16, d and m
+//   the block's f16 scale and min, sx = the float32 sum of the block's 32 x (fixed order below).
+//   S: the products q x are exact in float32 and summed in float32 by vdpbf16ps, pair by pair in
+//   a fixed order (below), two chains for groups of fewer than CHAIN_ROWS rows (one otherwise);
+//   the d and m terms are fmas into a float32 accumulator; the output is rounded to bf16 once.
+//   vdpbf16ps treats bf16 subnormal inputs as zero and flushes subnormal sums to zero; the
+//   portable path does the same, so both paths give the same bits.
+//   Block sum order: v[l] = x[l] + x[l + 16] (l < 16), then v[l] += v[l + h] for h = 8, 4, 2, 1.
+//   Pair order within S: pair p holds k = 2p, 2p + 1; Q4_1 adds p = 0, 8, 1, 9, ..., 7, 15 (one
+//   chain) or 0..7 and 8..15 (two chains, summed at the end); Q8_0 adds p = 0..15 (one chain) or
+//   the even and the odd p (two chains).
+//
+// Packed layout (`tiled_pack`): the N features in tiles of 16 (zero-padded), each tile's K/32
+// blocks contiguous ("tile-blocks"); j = feature in the tile, h = 0, 1:
+//   Q4_1: 8 chunks of 32 bytes, byte 2j + h of chunk c = q[j, 2c + h] | q[j, 2c + 16 + h] << 4
+//         (widened to words, the low nibbles are pairs p = c and the high ones p = c + 8), then
+//         d[16] and m[16] as f16: 320 bytes per 512 weights, the file's 20 per 32.
+//   Q8_0: 16 chunks of 32 bytes, byte 2j + h of chunk p = q[j, 2p + h] (int8), then d[16] as f16:
+//         544 bytes per 512 weights, the file's 34 per 32.
+//
+// Work split: each of `threads` OpenMP threads owns a contiguous range of tiles; per tile, the M
+// rows go in balanced groups of at most M_TILE held in registers (a group's accumulators and its
+// block sums S); each weight vector (16 features x 2 k) meets every row of a group through one
+// vdpbf16ps with the row's x pair broadcast ({1to16}). It is unpacked once per call: with several
+// groups, the first writes the tile's vectors to a per-thread buffer (K/2 x 64 bytes) that the
+// others read. Every weight byte is read from memory once per call (prefetched 8 tile-blocks
+// ahead by groups of 8 rows or more).
+// Bytes moved per call: the packed weights, M * K bf16 activations per tile sweep (from cache),
+// M * K/32 float32 block sums, M * N bf16 outputs.
+//
+// Invariants relied on (checked by the caller, engine/model/quant_tiled.py): K % 32 == 0, all
+// arrays contiguous and of the sizes stated at each entry point. The result does not depend on
+// the thread count; a row's bits depend on M only through the size of its row group.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gguf_scalars.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    defined(__FMA__) && defined(__F16C__)
+#define TM_SIMD 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;          // weights per GGUF block
+constexpr int TILE = 16;        // features per tile (one zmm of float32 lanes)
+constexpr int PAIRS = QK / 2;   // weight vectors per tile-block (16 features x 2 k each)
+constexpr int M_TILE = 12;      // most rows per group (registers: 2 per row + weights, scales;
+                                // 8, 10 and 12 measured, 12 best from 1 to 32 rows)
+constexpr int CHAIN_ROWS = 4;   // groups of fewer rows sum S in two chains (vdpbf16ps latency)
+constexpr int PREFETCH_BLOCKS = 8;  // tile-blocks ahead that a group reading packed tiles asks
+                                    // the cache for (groups of 8 rows or more)
+constexpr int Q4_TB = 320;      // bytes per tile-block, Q4_1
+constexpr int Q8_TB = 544;      // bytes per tile-block, Q8_0
+constexpr int Q4_SCALES = 64;   // d[16] and m[16], f16
+constexpr int Q8_SCALES = 32;   // d[16], f16
+
+using gguf_scalars::bf16_to_f32;
+using gguf_scalars::f16_to_f32;
+using gguf_scalars::load_u16;
+
+inline int64_t tile_block_bytes(int qtype) { return qtype == 0 ? Q4_TB : Q8_TB; }
+inline int64_t num_tiles(int64_t N) { return (N + TILE - 1) / TILE; }
+
+// --- packing -------------------------------------------------------------------------------------
+
+// The integer value q of weight (n, 32 b + k) in the file's block `blk` (Q4_1 unsigned, Q8_0 int8).
+inline int file_q(const uint8_t* blk, int qtype, int k) {
+  if (qtype == 0) return k < 16 ? (blk[4 + k] & 15) : (blk[4 + k - 16] >> 4);
+  return static_cast<int8_t>(blk[2 + k]);
+}
+
+void pack_tile_block(const uint8_t* blocks, int qtype, int64_t N, int64_t nb, int64_t t,
+                     int64_t b, uint8_t* out) {
+  const int block_bytes = qtype == 0 ? 20 : 34;
+  const int64_t tb = tile_block_bytes(qtype);
+  std::memset(out, 0, tb);
+  uint16_t* scales = reinterpret_cast<uint16_t*>(out + (qtype == 0 ? 256 : 512));
+  for (int j = 0; j < TILE && t * TILE + j < N; ++j) {  // padding features: q = d = m = 0
+    const uint8_t* blk = blocks + ((t * TILE + j) * nb + b) * block_bytes;
+    for (int k = 0; k < QK; ++k) {
+      const int q = file_q(blk, qtype, k), p = k / 2, h = k % 2;
+      if (qtype == 0) out[32 * (p % 8) + 2 * j + h] |= static_cast<uint8_t>(q << (p / 8) * 4);
+      else out[32 * p + 2 * j + h] = static_cast<uint8_t>(q);
+    }
+    scales[j] = load_u16(blk);
+    if (qtype == 0) scales[TILE + j] = load_u16(blk + 2);
+  }
+}
+
+// --- vdpbf16ps, emulated (the portable path) ------------------------------------------------
+
+inline float flush(float v) {
+  return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.f, v) : v;
+}
+
+// acc += w1 * x1 then += w0 * x0, each rounded to nearest even, subnormal inputs and results
+// flushed to zero: vdpbf16ps on one lane (the products of two bf16 are exact in float32).
+inline float dp_pair(float acc, float w0, float w1, float x0, float x1) {
+  acc = flush(flush(acc) + flush(w1) * flush(x1));
+  return flush(acc + flush(w0) * flush(x0));
+}
+
+// bf16 bits of f rounded to nearest even as vcvtneps2bf16 does (subnormal input -> zero).
+inline uint16_t to_bf16(float f) {
+  f = flush(f);
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// --- the block sums of x ------------------------------------------------------------------------
+
+float block_sum_scalar(const uint16_t* x) {
+  float v[16];
+  for (int l = 0; l < 16; ++l) v[l] = bf16_to_f32(x[l]) + bf16_to_f32(x[l + 16]);
+  for (int h = 8; h >= 1; h /= 2)
+    for (int l = 0; l < h; ++l) v[l] += v[l + h];
+  return v[0];
+}
+
+#if defined(TM_SIMD)
+inline __m512 widen(const uint16_t* x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+
+float block_sum_simd(const uint16_t* x) {  // block_sum_scalar's order, lane by lane
+  const __m512 v = _mm512_add_ps(widen(x), widen(x + 16));
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 e = _mm_add_ps(c, _mm_movehl_ps(c, c));
+  return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
+}
+#endif
+
+// --- the tile kernel -----------------------------------------------------------------------------
+
+struct Problem {
+  const uint8_t* w;     // packed tiles
+  const uint16_t* x;    // [M, K] bf16
+  const float* sx;      // [nb, M] block sums of x
+  uint16_t* y;          // [M, N] bf16
+  int64_t M, N, K, nb;
+  int qtype;            // 0 Q4_1, 1 Q8_0
+};
+
+// The weight vector of pair p of a tile-block, as float pairs: w[j][h] = q[j, 2p + h].
+void unpack_scalar(const uint8_t* blk, int qtype, int p, float w[TILE][2]) {
+  for (int j = 0; j < TILE; ++j)
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t v = qtype == 0 ? blk[32 * (p % 8) + 2 * j + h] : blk[32 * p + 2 * j + h];
+      w[j][h] = qtype == 0 ? static_cast<float>((v >> (p / 8) * 4) & 15)
+                           : static_cast<float>(static_cast<int8_t>(v));
+    }
+}
+
+// The order in which S adds the pairs p, and the chain each goes to (see the arithmetic above).
+inline int pair_at(int qtype, int chains, int i) {
+  if (qtype == 0) return chains == 2 ? i : (i % 2) * 8 + i / 2;
+  return chains == 2 ? (i % 8) * 2 + i / 8 : i;
+}
+inline int chain_of(int qtype, int p) { return qtype == 0 ? p / 8 : p % 2; }
+
+// Portable: rows m0..m0+mt of tile t, the same arithmetic and order as tile_simd.
+void tile_portable(const Problem& p, int64_t t, int64_t m0, int64_t mt) {
+  const int64_t tb = tile_block_bytes(p.qtype);
+  const int chains = mt < CHAIN_ROWS ? 2 : 1;
+  for (int64_t i = 0; i < mt; ++i) {
+    const int64_t r = m0 + i;
+    float acc[TILE] = {};
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const uint8_t* blk = p.w + (t * p.nb + b) * tb;
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + (p.qtype == 0 ? 256 : 512));
+      const uint16_t* xr = p.x + r * p.K + b * QK;
+      float s[2][TILE] = {};
+      for (int n = 0; n < PAIRS; ++n) {
+        const int pp = pair_at(p.qtype, chains, n), c = chains == 2 ? chain_of(p.qtype, pp) : 0;
+        float w[TILE][2];
+        unpack_scalar(blk, p.qtype, pp, w);
+        const float x0 = bf16_to_f32(xr[2 * pp]), x1 = bf16_to_f32(xr[2 * pp + 1]);
+        for (int j = 0; j < TILE; ++j) s[c][j] = dp_pair(s[c][j], w[j][0], w[j][1], x0, x1);
+      }
+      for (int j = 0; j < TILE; ++j) {
+        const float sum = chains == 2 ? s[0][j] + s[1][j] : s[0][j];
+        acc[j] = std::fma(sum, f16_to_f32(scales[j]), acc[j]);
+        if (p.qtype == 0)
+          acc[j] = std::fma(f16_to_f32(scales[TILE + j]), p.sx[b * p.M + r], acc[j]);
+      }
+    }
+    for (int j = 0; j < TILE && t * TILE + j < p.N; ++j)
+      p.y[r * p.N + t * TILE + j] = to_bf16(acc[j]);
+  }
+}
+
+#if defined(TM_SIMD)
+// s += w . (the bf16 pair at x broadcast to every lane), the broadcast folded into the
+// instruction's memory operand ({1to16}): the intrinsic form costs a separate vpbroadcastd.
+inline __m512 dp_bcast(__m512 s, __m512i w, const uint16_t* x) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0"
+      : "+v"(s)
+      : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return s;
+}
+
+// Rows m0..m0+MT of tile t: MT float32 accumulators of 16 features (and the block sums S, in
+// CH chains) stay in registers across the K blocks. `unpacked` (null: unpack in registers only):
+// the tile's weight vectors, K/2 of them, written by the first group (`fresh`) and read by the
+// next ones, so that a tile is unpacked once per call.
+template <int QTYPE, int MT>
+void tile_simd(const Problem& p, int64_t t, int64_t m0, __m512i* unpacked, bool fresh) {
+  constexpr int CH = MT < CHAIN_ROWS ? 2 : 1;
+  constexpr int64_t TB = QTYPE == 0 ? Q4_TB : Q8_TB;
+  // bf16 bits of i & 15 for a 5-bit index: a word holding both nibbles needs no mask for the low.
+  const __m512i table = _mm512_set_epi16(
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* base = p.w + t * p.nb * TB;
+  for (int64_t b = 0; b < p.nb; ++b) {
+    const uint8_t* blk = base + b * TB;
+    if (MT >= 8 && (unpacked == nullptr || fresh)) {  // measured: -15 % at 8-16 rows (gate_up)
+      for (int64_t off = 0; off < TB; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BLOCKS * TB + off), _MM_HINT_T0);
+    }
+    const uint16_t* xb = p.x + m0 * p.K + b * QK;
+    __m512 s[CH][MT];
+    for (int c = 0; c < CH; ++c)
+      for (int i = 0; i < MT; ++i) s[c][i] = _mm512_setzero_ps();
+    if (QTYPE == 0) {
+      for (int c = 0; c < 8; ++c) {
+        __m512i lo, hi;
+        if (unpacked != nullptr && !fresh) {
+          lo = _mm512_load_si512(unpacked + b * PAIRS + c);
+          hi = _mm512_load_si512(unpacked + b * PAIRS + c + 8);
+        } else {
+          const __m512i words = _mm512_cvtepu8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * c)));
+          lo = _mm512_permutexvar_epi16(words, table);
+          hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+          if (unpacked != nullptr) {
+            _mm512_store_si512(unpacked + b * PAIRS + c, lo);
+            _mm512_store_si512(unpacked + b * PAIRS + c + 8, hi);
+          }
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i) s[0][i] = dp_bcast(s[0][i], lo, xb + i * p.K + 2 * c);
+#pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i)
+          s[CH - 1][i] = dp_bcast(s[CH - 1][i], hi, xb + i * p.K + 2 * (c + 8));
+      }
+    } else {
+      for (int pp = 0; pp < PAIRS; ++pp) {
+        __m512i w;
+        if (unpacked != nullptr && !fresh) {
+          w = _mm512_load_si512(unpacked + b * PAIRS + pp);
+        } else {
+          const uint8_t* ch = blk + 32 * pp;
+          const __m512 e = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch))));
+          const __m512 o = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16))));
+          w = (__m512i)_mm512_cvtne2ps_pbh(o, e);  // words 0..15 from e, 16..31 from o
+          if (unpacked != nullptr) _mm512_store_si512(unpacked + b * PAIRS + pp, w);
+        }
+        const int c = CH == 2 ? pp % 2 : 0;
+#pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i) s[c][i] = dp_bcast(s[c][i], w, xb + i * p.K + 2 * pp);
+      }
+    }
+    const uint8_t* sc = blk + (QTYPE == 0 ? 256 : 512);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+    const float* sx = p.sx + b * p.M + m0;
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      const __m512 sum = CH == 2 ? _mm512_add_ps(s[0][i], s[CH - 1][i]) : s[0][i];
+      acc[i] = _mm512_fmadd_ps(sum, d, acc[i]);
+    }
+    if (QTYPE == 0) {
+      const __m512 m =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i]), acc[i]);
+    }
+  }
+  const int64_t n0 = t * TILE;
+  const __mmask16 mask = p.N - n0 >= TILE ? 0xFFFF : static_cast<__mmask16>((1u << (p.N - n0)) - 1);
+  for (int i = 0; i < MT; ++i)
+    _mm256_mask_storeu_epi16(p.y + (m0 + i) * p.N + n0, mask, (__m256i)_mm512_cvtneps_pbh(acc[i]));
+}
+
+template <int QTYPE>
+void tile_rows(const Problem& p, int64_t t, int64_t m0, int64_t mt, __m512i* unpacked,
+               bool fresh) {
+  switch (mt) {
+#define TM_CASE(n) \
+  case n: tile_simd<QTYPE, (n < M_TILE ? n : M_TILE)>(p, t, m0, unpacked, fresh); break;
+    TM_CASE(1) TM_CASE(2) TM_CASE(3) TM_CASE(4) TM_CASE(5) TM_CASE(6) TM_CASE(7) TM_CASE(8)
+    TM_CASE(9) TM_CASE(10) TM_CASE(11) TM_CASE(12) TM_CASE(13) TM_CASE(14) TM_CASE(15)
+#undef TM_CASE
+    default: tile_simd<QTYPE, M_TILE>(p, t, m0, unpacked, fresh); break;
+  }
+}
+
+// This thread's buffer for one tile's unpacked weight vectors (64-byte aligned), or null when one
+// group covers every row.
+struct alignas(64) Vector { uint8_t bytes[64]; };
+
+__m512i* unpacked_buffer(const Problem& p, int64_t groups) {
+  thread_local std::vector<Vector> buffer;
+  if (groups < 2) return nullptr;
+  if (static_cast<int64_t>(buffer.size()) < p.nb * PAIRS) buffer.resize(p.nb * PAIRS);
+  return reinterpret_cast<__m512i*>(buffer.data());
+}
+#endif
+
+// One thread's share: its contiguous range of tiles, each for every row group.
+void matmul_share(const Problem& p, int64_t id, int64_t n) {
+  const int64_t tiles = num_tiles(p.N);
+  const int64_t t0 = tiles * id / n, t1 = tiles * (id + 1) / n;
+  const int64_t groups = (p.M + M_TILE - 1) / M_TILE;
+#if defined(TM_SIMD)
+  __m512i* unpacked = unpacked_buffer(p, groups);
+#endif
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t g = 0, m0 = 0; g < groups; ++g) {  // balanced: sizes differ by at most one
+      const int64_t mt = p.M / groups + (g < p.M % groups ? 1 : 0);
+#if defined(TM_SIMD)
+      if (p.qtype == 0) tile_rows<0>(p, t, m0, mt, unpacked, g == 0);
+      else tile_rows<1>(p, t, m0, mt, unpacked, g == 0);
+#else
+      tile_portable(p, t, m0, mt);
+#endif
+      m0 += mt;
+    }
+}
+
+
+void block_sums(const Problem& p, int64_t i, float* sx) {
+  const int64_t r = i / p.nb, b = i % p.nb;  // read row-major, write block-major
+#if defined(TM_SIMD)
+  sx[b * p.M + r] = block_sum_simd(p.x + i * QK);
+#else
+  sx[b * p.M + r] = block_sum_scalar(p.x + i * QK);
+#endif
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bytes of the packed form of an [N, K] matrix (K % 32 == 0) in format qtype (0 Q4_1, 1 Q8_0).
+int64_t tiled_packed_bytes(int qtype, int64_t N, int64_t K) {
+  return num_tiles(N) * (K / QK) * tile_block_bytes(qtype);
+}
+
+// Repacks GGUF blocks [N, K/32 * block bytes] (ggml's layout) into `out` (tiled_packed_bytes).
+// Returns 0, or -1 for an unknown qtype or a bad K.
+int tiled_pack(const uint8_t* blocks, int qtype, int64_t N, int64_t K, uint8_t* out,
+               int threads) {
+  if ((qtype != 0 && qtype != 1) || K <= 0 || K % QK != 0 || N < 0) return -1;
+  const int64_t nb = K / QK, tiles = num_tiles(N), tb = tile_block_bytes(qtype);
+#pragma omp parallel for schedule(static) num_threads(std::max(1, threads))
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < nb; ++b)
+      pack_tile_block(blocks, qtype, N, nb, t, b, out + (t * nb + b) * tb);
+  return 0;
+}
+
+// y [M, N] bf16 = x [M, K] bf16 times the packed W (qtype 0 Q4_1, 1 Q8_0), in one parallel
+// region (the block sums of x first, in a buffer of the calling thread reused across calls).
+// Returns 0, or -1 for bad sizes.
+int tiled_linear(const uint16_t* x, const uint8_t* packed, int qtype, uint16_t* y, int64_t M,
+                 int64_t N, int64_t K, int threads) {
+  if ((qtype != 0 && qtype != 1) || K <= 0 || K % QK != 0 || M < 0 || N < 0) return -1;
+  if (M == 0 || N == 0) return 0;
+  const int64_t nb = K / QK;
+  thread_local std::vector<float> sx;
+  if (static_cast<int64_t>(sx.size()) < M * nb) sx.resize(M * nb);
+  const Problem p{packed, x, sx.data(), y, M, N, K, nb, qtype};
+  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, num_tiles(N))));
+  float* sums = sx.data();
+#pragma omp parallel num_threads(n)
+  {
+    if (qtype == 0) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < M * nb; ++i) block_sums(p, i, sums);
+    }
+    matmul_share(p, omp_get_thread_num(), omp_get_num_threads());  // after the for's barrier
+  }
+  return 0;
+}
+
+// "avx512-bf16" or "portable".
+const char* tiled_simd_paths() {
+#if defined(TM_SIMD)
+  return "avx512-bf16";
+#else
+  return "portable";
+#endif
+}
+
+}  // extern "C"

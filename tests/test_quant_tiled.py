@@ -1,0 +1,183 @@
+"""The tiled bf16 matmul on GGUF weights (engine/model/quant_tiled.py, csrc/tiled_matmul.cpp).
+
+Oracle: the `gguf` package's own dequantisation of the same bytes (it shares no code with the
+kernel), then a float64 matmul (`test_quant.check`: float32 accumulation over K terms of
+magnitude |x| (|w| + 16|d| + |m|), plus bfloat16's final rounding). Blocks are random bytes with
+random float16 scales (some subnormal, some zero) between rows of NaN scales, and x sits between
+NaN rows, so any read outside the operands poisons the result. M runs past the two-chain limit
+(4 rows), the row group (12) and several balanced group splits; N is not a multiple of the
+16-feature tile.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.model.quant import (
+    MAX_ROWS,
+    TILED_BF16_MAX_ROWS,
+    UNTILED_BF16_MAX_ROWS,
+    GGUFBlocks,
+    QuantizedWeight,
+)
+from engine.model.quant_tiled import TiledWeight, pack_tiled, tiled_linear
+from engine.native_build import TILED_TIERS, load_tiled
+from paged_kernels.cpp_build import compile_flags
+
+pytest.importorskip("gguf")
+from test_quant import check, padded_blocks, padded_x, random_blocks  # noqa: E402
+
+#: Row counts: 1-3 (two chains), 4-12 (one group), 13-24 (two groups), 25-36 (three), 37-48 (four).
+ROWS = (1, 2, 3, 4, 5, 7, 11, 12, 13, 16, 24, 25, 32, 37, 48)
+
+
+@pytest.fixture(scope="module")
+def portable():
+    """The portable (non-SIMD) build: a second build (seconds, once per machine)."""
+    return load_tiled(compile_flags(TILED_TIERS, frozenset()))
+
+
+def random_x(rng: np.random.Generator, m: int, cols: int) -> torch.Tensor:
+    """bf16 [m, cols] ~N(0, 1), with a few bfloat16 subnormals (which the kernel reads as zero:
+    within the bound, as their products are below 1e-30)."""
+    x = torch.from_numpy(rng.normal(0.0, 1.0, (m, cols))).to(torch.bfloat16)
+    x.view(-1)[:: 7] = torch.tensor(1e-39, dtype=torch.bfloat16)
+    return x
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows,cols", [(37, 96), (131, 64)])
+def test_kernel_matches_gguf_dequantisation(qtype, rows, cols):
+    rng = np.random.default_rng(rows * 1000 + cols)
+    raw = random_blocks(rng, qtype, rows, cols)
+    weight = pack_tiled(padded_blocks(raw, qtype, cols))
+    for m in ROWS:
+        x = random_x(rng, m, cols)
+        check(tiled_linear(padded_x(x), weight), x, raw, qtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_portable_build_gives_the_same_bits(portable, qtype):
+    """The portable path emulates vdpbf16ps (exact products, the same summation order, subnormals
+    flushed) and matches the oracle; on a CPU with AVX-512 BF16 it gives the SIMD path's bits."""
+    assert portable.simd_paths == "portable"
+    rng = np.random.default_rng(11)
+    raw = random_blocks(rng, qtype, 53, 160)
+    blocks = padded_blocks(raw, qtype, 160)
+    simd, port = pack_tiled(blocks), pack_tiled(blocks, kernel=portable)
+    assert torch.equal(simd.packed, port.packed)
+    for m in (1, 3, 4, 13, 25):
+        x = random_x(rng, m, 160)
+        got = tiled_linear(padded_x(x), port, kernel=portable)
+        check(got, x, raw, qtype)
+        assert torch.equal(got.view(torch.int16), tiled_linear(x, simd).view(torch.int16)), m
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_tiles_take_the_blocks_bytes(qtype):
+    """A tiled weight is as large as the file's blocks when rows fill whole tiles."""
+    raw = random_blocks(np.random.default_rng(2), qtype, 48, 96)
+    weight = pack_tiled(GGUFBlocks(qtype, torch.from_numpy(raw), 96))
+    assert weight.packed.numel() == raw.size and weight.shape == (48, 96)
+    assert weight.packed.data_ptr() % 64 == 0
+
+
+def test_default_crossovers_follow_the_path_and_format():
+    dense = torch.zeros(16, 64, dtype=torch.bfloat16)
+    for qtype in ("Q4_1", "Q8_0"):
+        raw = random_blocks(np.random.default_rng(4), qtype, 16, 64)
+        blocks = GGUFBlocks(qtype, torch.from_numpy(raw), 64)
+        tiled = QuantizedWeight(pack_tiled(blocks), dense).max_rows
+        assert tiled == TILED_BF16_MAX_ROWS.get(qtype, MAX_ROWS[torch.bfloat16])
+        assert QuantizedWeight(blocks, dense).max_rows == UNTILED_BF16_MAX_ROWS
+        assert QuantizedWeight(blocks, dense.float()).max_rows == MAX_ROWS[torch.float32]
+
+
+@pytest.mark.parametrize("m", [3, 16, 25])
+def test_result_does_not_depend_on_the_thread_count(m):
+    rng = np.random.default_rng(3)
+    weights = [pack_tiled(GGUFBlocks(q, torch.from_numpy(random_blocks(rng, q, 300, 128)), 128))
+               for q in ("Q4_1", "Q8_0")]
+    x = torch.randn(m, 128, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [tiled_linear(x, w) for w in weights]
+        torch.set_num_threads(2)
+        two = [tiled_linear(x, w) for w in weights]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_bad_inputs_name_the_argument():
+    raw = random_blocks(np.random.default_rng(1), "Q4_1", 16, 64)
+    blocks = GGUFBlocks("Q4_1", torch.from_numpy(raw), 64)
+    weight = pack_tiled(blocks)
+    with pytest.raises(ValueError, match=r"x: expected a \[M, 64\] tensor, got \(2, 32\)"):
+        tiled_linear(torch.zeros(2, 32, dtype=torch.bfloat16), weight)
+    with pytest.raises(ValueError, match="x: expected a bfloat16 CPU tensor, got torch.float32"):
+        tiled_linear(torch.zeros(2, 64), weight)
+    with pytest.raises(ValueError, match="dense: expected bfloat16 with tiled blocks"):
+        QuantizedWeight(weight, torch.zeros(16, 64))
+    with pytest.raises(ValueError, match=r"dense: expected shape \(16, 64\)"):
+        QuantizedWeight(weight, torch.zeros(16, 32, dtype=torch.bfloat16))
+
+
+def test_model_reads_the_tiles_up_to_the_crossover(monkeypatch):
+    """A bfloat16 model gets tiled blocks (a float32 one the file's layout) and `_linear` reads
+    them up to `max_rows` rows, the dense weight above."""
+    import engine.model.decoder as decoder
+    from engine.model.config import DecoderConfig
+    from engine.model.decoder import DecoderForCausalLM
+    from engine.model.quant import attach_gguf_weights
+
+    config = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=1, num_attention_heads=2, tie_word_embeddings=True)
+    rng = np.random.default_rng(5)
+    raw = random_blocks(rng, "Q4_1", 64, 96)
+    given = [("model.layers.0.mlp.down_proj.weight",
+              GGUFBlocks("Q4_1", torch.from_numpy(raw), 96))]
+    f32 = DecoderForCausalLM(config, dtype=torch.float32)
+    attach_gguf_weights(f32, given)
+    assert not f32.layers[0].down_proj.tiled
+    assert f32.layers[0].down_proj.max_rows == MAX_ROWS[torch.float32]
+    untiled = DecoderForCausalLM(config, dtype=torch.bfloat16)
+    attach_gguf_weights(untiled, given, tiled=False)
+    assert untiled.layers[0].down_proj.max_rows == UNTILED_BF16_MAX_ROWS
+    model = DecoderForCausalLM(config, dtype=torch.bfloat16)
+    attach_gguf_weights(model, given, tiled=True)
+    weight = model.layers[0].down_proj
+    assert isinstance(weight.blocks, TiledWeight) and weight.max_rows == MAX_ROWS[torch.bfloat16]
+    weight.dense = torch.from_numpy(rng.normal(0, 1, (64, 96))).to(torch.bfloat16)
+    calls = []
+    kernel = decoder.tiled_linear
+    monkeypatch.setattr(decoder, "tiled_linear", lambda x, w: calls.append(1) or kernel(x, w))
+    for m in (1, weight.max_rows):
+        x = random_x(rng, m, 96)
+        check(decoder._linear(x, weight), x, raw, "Q4_1")
+    assert len(calls) == 2
+    x = torch.randn(weight.max_rows + 1, 96, dtype=torch.bfloat16)
+    torch.testing.assert_close(decoder._linear(x, weight), x @ weight.dense.T)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("m,ulps", [(4, 1.0), (1, 1.25)])
+def test_summation_order_is_the_stated_one(portable, m, ulps):
+    """tiled_matmul.cpp's order, on a block whose result depends on it: pair 0 gives S = 1, pair
+    1 adds its odd product (half an ulp of 1: a tie, kept at 1) then its even one (0.75 ulp:
+    rounds up), pair 2 subtracts 1, leaving one ulp of 1. In two chains (m < 4) pair 1 sums in
+    its own chain, exactly: 1.25 ulps. Both builds."""
+    raw = np.zeros((16, 34), np.uint8)
+    raw[:, 0:2] = np.array([1.0], np.float16).view(np.uint8).reshape(1, 2)
+    q = np.zeros(32, np.int8)
+    q[[0, 2, 3]], q[4] = 1, -1
+    raw[0, 2:] = q.view(np.uint8)
+    blocks = GGUFBlocks("Q8_0", torch.from_numpy(raw), 32)
+    x = torch.zeros(m, 32)
+    x[:, 0], x[:, 2], x[:, 3], x[:, 4] = 1.0, 3 * 2.0 ** -25, 2.0 ** -24, 1.0
+    for kernel in (None, portable):
+        y = tiled_linear(x.bfloat16(), pack_tiled(blocks, kernel), kernel)
+        assert (y[:, 0].float() == ulps * 2.0 ** -23).all() and (y[:, 1:] == 0).all()
