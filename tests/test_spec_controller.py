@@ -52,41 +52,6 @@ def test_best_k_maximises_tokens_per_second(alpha, slope, want):
     assert ctl.best_k(alpha) == want
 
 
-def test_expected_tokens_per_position():
-    assert expected_tokens([0.5, 1.0, 0.5], 3) == pytest.approx(1 + 0.5 + 0.5 + 0.25)
-    assert expected_tokens([0.5, 1.0, 0.5], 1) == pytest.approx(1.5)
-    with pytest.raises(ValueError, match="alpha"):
-        expected_tokens([0.5], 2)
-
-
-def test_a_copying_history_earns_longer_proposals_than_its_pooled_rate():
-    # copying with divergences: the first proposal is rejected two times in three (where the
-    # copy diverged), but a proposal after an accepted one is always accepted. One pooled rate
-    # (~0.7) says k = 2 is best at 25 % a row; the per-position rates (~0.4, then ~0.95) say
-    # k = 5, which the true rates (1/3, then 1) confirm: E(5) / T(6) = 2.67 / 2.25 beats
-    # E(2) / T(3) = 1.67 / 1.5.
-    ctl = trained(5, linear(0.25))
-    acc = Acceptance()
-    for _ in range(7):
-        for accepted in (0, 5, 0):
-            acc.update(5, accepted)
-            ctl.record(7, 5, accepted)
-    rates = acc.rates(5)
-    assert rates[0] < 0.45 and min(rates[1:]) > 0.9
-    assert ctl.best_k(acc.alpha) == 2
-    assert ctl.best_k(rates) == 5
-    assert ctl.choose(7, 100) == 5  # the controller decides on the per-position rates
-
-
-def test_position_rates_of_an_unreached_position_are_the_pooled_rate():
-    acc = Acceptance()
-    for _ in range(5):
-        acc.update(2, 1)  # position 1 accepted, position 2 rejected, 3+ never tried
-    rates = acc.rates(4)
-    assert rates[0] > 0.8 and rates[1] < 0.3
-    assert rates[2] == pytest.approx(acc.alpha) and rates[3] == pytest.approx(acc.alpha)
-
-
 def test_best_k_in_a_batch_weighs_the_other_sequences_tokens():
     # with 15 other rows and tokens, one more row adds 0.25 to a step of 4.75 (5 %) and 0.5
     # expected tokens to 16 (3 %): not worth it, though alone it is (0.5 tokens for 25 %)

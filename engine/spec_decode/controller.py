@@ -1,18 +1,11 @@
 """How many tokens each sequence proposes per step: the choice that maximises expected output
 tokens per second, from each sequence's acceptance rate and the measured cost of a step.
 
-Acceptance (`Acceptance`): per sequence, alpha_j estimates the probability that proposal j is
+Acceptance (`Acceptance`): per sequence, alpha estimates the probability that a proposal is
 accepted given that the ones before it were. Each verification of m proposals with a accepted
-adds an accepted trial at positions 1..a and, when a < m, a rejection at position a + 1; the
-pooled counts decay by `ALPHA_DECAY` per verification, a position's own counts per
-verification that reaches it (so a late position keeps what it learnt while earlier
-rejections stop proposals from reaching it). The pooled rate alpha (all positions' counts,
-starting at `PRIOR_ACCEPTED` / `PRIOR_REJECTED`: alpha = 0.5) is the maximum-likelihood rate of
-a geometric run; each position's own rate is shrunk towards it with the weight of
-`POSITION_PRIOR` trials. Acceptance is not the same at every position: where the output copies
-its input, a proposal that follows accepted ones is accepted more often than the first (the
-copy either diverged already or goes on), so the per-position rates let a copying sequence
-propose longer runs than one pooled rate would.
+adds a accepted trials and, when a < m, one rejection, to counts that decay by `ALPHA_DECAY`
+per verification and start at `PRIOR_ACCEPTED` / `PRIOR_REJECTED` (alpha = 0.5); alpha is
+accepted / (accepted + rejected), the maximum-likelihood rate of a geometric run.
 
 Cost (`StepCosts`): T(R), the seconds of a target step with R query rows in all, learnt from
 the engine's own step times: per R an average of the step times (each time clipped to
@@ -29,10 +22,10 @@ average after `MIN_COUNT` measurements, else the nearest measured size scaled al
 D, the seconds of proposing one token, is an average of each proposal round's time over its
 longest proposal (0 before any round: n-gram lookups cost ~0).
 
-Rule (`SpecController.choose`): for a sequence with acceptance rates alpha_j, whose previous step
+Rule (`SpecController.choose`): for a sequence with acceptance alpha, whose previous step
 shared the batch with B other query rows yielding N other tokens, proposing i tokens yields
-E(i) = 1 + sum over j <= i of alpha_1 ... alpha_j expected tokens (the accepted ones plus the
-target's own; E(0) = 1) at a step cost of T(B + 1 + i) + i D, so the step's rate is
+E(i) = (1 - alpha^(i+1)) / (1 - alpha) expected tokens (the accepted ones plus the target's
+own; E(0) = 1) at a step cost of T(B + 1 + i) + i D, so the step's rate is
 rate(i) = (N + E(i)) / (T(B + 1 + i) + i D). The controller takes the i in 0..k with the
 highest rate and speculates only when rate(i) >= (1 + `MIN_GAIN`) rate(0); at concurrency 1
 that is E(i) / T(1 + i) against 1 / T(1).
@@ -48,12 +41,11 @@ copies pays one extra row every 64 tokens or so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 ALPHA_DECAY = 0.8
 PRIOR_ACCEPTED = 1.0
 PRIOR_REJECTED = 1.0
-POSITION_PRIOR = 1.0
 MIN_GAIN = 0.02
 PROBE_K = 1
 PROBE_MIN = 8
@@ -67,66 +59,31 @@ MAX_WEIGHT = 8
 PRIOR_WEIGHT = 2.0
 
 
-def expected_tokens(alpha: Union[float, Sequence[float]], num_proposed: int) -> float:
-    """E(i): the expected tokens a verification of `num_proposed` proposals emits (the target's
-    own token included) when proposal j is accepted with probability `alpha[j - 1]` given that
-    the ones before it were (`alpha` a float: the same rate at every position, which gives
-    (1 - alpha^(i+1)) / (1 - alpha)): 1 + sum over j of alpha_1 ... alpha_j."""
-    rates = [alpha] * num_proposed if isinstance(alpha, (int, float)) else alpha[:num_proposed]
-    if len(rates) < num_proposed:
-        raise ValueError(f"alpha: expected at least {num_proposed} rates, got {len(rates)}")
-    total, run = 1.0, 1.0
-    for rate in rates:
-        run *= rate
-        total += run
-    return total
+def expected_tokens(alpha: float, num_proposed: int) -> float:
+    """E(i): the expected tokens a verification of `num_proposed` proposals emits when each is
+    accepted with probability `alpha` given the ones before it (the target's own token
+    included): (1 - alpha^(i+1)) / (1 - alpha), i + 1 at alpha = 1."""
+    if alpha >= 1.0:
+        return num_proposed + 1.0
+    return (1.0 - alpha ** (num_proposed + 1)) / (1.0 - alpha)
 
 
 @dataclass
 class Acceptance:
-    """One sequence's decayed acceptance counts (module docstring): pooled over positions
-    (`accepted`, `rejected`) and per position (`position_accepted[j - 1]`,
-    `position_rejected[j - 1]`: trials of proposal j, reached when the ones before it were
-    accepted)."""
+    """One sequence's decayed counts of accepted proposals and of rejections (module docstring)."""
 
     accepted: float = PRIOR_ACCEPTED
     rejected: float = PRIOR_REJECTED
-    position_accepted: list[float] = field(default_factory=list)
-    position_rejected: list[float] = field(default_factory=list)
 
     @property
     def alpha(self) -> float:
-        """The pooled estimate: the probability that a proposal is accepted after accepted
-        ones, the same at every position."""
+        """The estimated probability that a proposal is accepted after accepted ones."""
         return self.accepted / (self.accepted + self.rejected)
-
-    def rates(self, k: int) -> list[float]:
-        """alpha_1 .. alpha_k: each position's own rate, shrunk towards the pooled `alpha` with
-        the weight of POSITION_PRIOR trials (a position never reached has the pooled rate)."""
-        pooled = self.alpha
-        out = []
-        for j in range(k):
-            a = self.position_accepted[j] if j < len(self.position_accepted) else 0.0
-            r = self.position_rejected[j] if j < len(self.position_rejected) else 0.0
-            out.append((a + POSITION_PRIOR * pooled) / (a + r + POSITION_PRIOR))
-        return out
 
     def update(self, proposed: int, accepted: int) -> None:
         """Counts one verification of `proposed` proposals of which the first `accepted` were."""
-        rejected = 1.0 if accepted < proposed else 0.0
         self.accepted = ALPHA_DECAY * self.accepted + accepted
-        self.rejected = ALPHA_DECAY * self.rejected + rejected
-        grow = proposed - len(self.position_accepted)
-        if grow > 0:
-            self.position_accepted += [0.0] * grow
-            self.position_rejected += [0.0] * grow
-        for j in range(min(proposed, accepted + 1)):  # the positions this verification reached
-            self.position_accepted[j] *= ALPHA_DECAY
-            self.position_rejected[j] *= ALPHA_DECAY
-        for j in range(accepted):
-            self.position_accepted[j] += 1.0
-        if rejected:
-            self.position_rejected[accepted] += 1.0
+        self.rejected = ALPHA_DECAY * self.rejected + (1.0 if accepted < proposed else 0.0)
 
 
 class StepCosts:
@@ -238,11 +195,10 @@ class SpecController:
         state = self._seqs.get(seq_id)
         return (state.acceptance if state is not None else Acceptance()).alpha
 
-    def best_k(self, alpha: Union[float, Sequence[float]], other_rows: int = 0,
-               other_tokens: int = 0) -> int:
+    def best_k(self, alpha: float, other_rows: int = 0, other_tokens: int = 0) -> int:
         """The rule: the i in 0..max_k with the highest rate (N + E(i)) / (T(B + 1 + i) + i D)
-        (B = `other_rows`, N = `other_tokens`; `alpha` one rate or max_k per-position rates, as
-        `expected_tokens` takes), or 0 when it beats rate(0) by less than MIN_GAIN."""
+        (B = `other_rows`, N = `other_tokens`), or 0 when it beats rate(0) by less than
+        MIN_GAIN."""
         costs = self.costs
         draft = costs.draft_seconds()
 
@@ -263,7 +219,7 @@ class SpecController:
         state = self._seqs.setdefault(seq_id, _SeqState())
         other_rows = max(0, self._step_rows - state.last_rows)
         other_tokens = max(0, self._step_tokens - state.last_tokens)
-        k = self.best_k(state.acceptance.rates(self.max_k), other_rows, other_tokens)
+        k = self.best_k(state.acceptance.alpha, other_rows, other_tokens)
         if k > 0:
             state.next_probe, state.probe_interval = None, PROBE_MIN
         elif state.next_probe is None:
