@@ -84,36 +84,48 @@ def load_quant(cflags: list[str] | None = None) -> QuantKernel:
                  compile_flags(TIERS) if cflags is None else cflags)
 
 
-class Int8Kernel:
-    """The compiled int8 kernel, called with tensors (engine/model/quant_int8.py checks inputs).
+class _PackingKernel:
+    """A compiled kernel that repacks GGUF blocks into its own layout (`{prefix}_packed_bytes`,
+    `{prefix}_pack`) and says which code path it was compiled with (`{prefix}_simd_paths`).
     Every call releases the GIL (ctypes)."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, prefix: str) -> None:
         i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        self._packed_bytes = library.int8_packed_bytes
+        self._prefix = prefix
+        self._packed_bytes = getattr(library, f"{prefix}_packed_bytes")
         self._packed_bytes.restype, self._packed_bytes.argtypes = i64, [c_int, i64, i64]
-        self._pack = library.int8_pack
+        self._pack = getattr(library, f"{prefix}_pack")
         self._pack.restype, self._pack.argtypes = c_int, [ptr, c_int, i64, i64, ptr, c_int]
+        simd_paths = getattr(library, f"{prefix}_simd_paths")
+        simd_paths.restype = ctypes.c_char_p
+        self.simd_paths: str = simd_paths().decode()
+        """The code path compiled in: a SIMD set's name or "portable"."""
+
+    def pack(self, data: torch.Tensor, qtype: str, cols: int, threads: int) -> torch.Tensor:
+        """The packed form (uint8, 64-byte aligned start) of the `[rows, cols]` weight whose
+        GGUF blocks of format `qtype` are `data` (`GGUFBlocks.data`; the kernel's source states
+        the layout)."""
+        rows = data.shape[0]
+        out = _aligned_empty(self._packed_bytes(_QTYPES[qtype], rows, cols))
+        failed = self._pack(data.data_ptr(), _QTYPES[qtype], rows, cols, out.data_ptr(),
+                            threads)
+        assert not failed, f"{self._prefix}_pack refused inputs that GGUFBlocks accepted"
+        return out
+
+
+class Int8Kernel(_PackingKernel):
+    """The compiled int8 kernel (simd_paths "avx512-vnni" or "portable"), called with tensors
+    (engine/model/quant_int8.py checks inputs). Every call releases the GIL (ctypes)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        super().__init__(library, "int8")
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         self._quantize = library.int8_quantize
         self._quantize.restype = c_int
         self._quantize.argtypes = [ptr, c_int, i64, i64, ptr, ptr, ptr, c_int]
         self._linear = library.int8_linear
         self._linear.restype = c_int
         self._linear.argtypes = [ptr, c_int, ptr, c_int, ptr, i64, i64, i64, c_int]
-        library.int8_simd_paths.restype = ctypes.c_char_p
-        self.simd_paths: str = library.int8_simd_paths().decode()
-        """The code path compiled in: "avx512-vnni" or "portable"."""
-
-    def pack(self, data: torch.Tensor, qtype: str, cols: int, threads: int) -> torch.Tensor:
-        """The tiled form (uint8, 64-byte aligned start) of the `[rows, cols]` weight whose GGUF
-        blocks of format `qtype` are `data` (`GGUFBlocks.data`; int8_matmul.cpp)."""
-        rows = data.shape[0]
-        size = self._packed_bytes(_QTYPES[qtype], rows, cols)
-        out = _aligned_empty(size)
-        failed = self._pack(data.data_ptr(), _QTYPES[qtype], rows, cols,
-                            out.data_ptr(), threads)
-        assert not failed, "int8_pack refused inputs that GGUFBlocks accepted"
-        return out
 
     def quantize(self, x: torch.Tensor, threads: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,32 +166,16 @@ def load_int8(cflags: list[str] | None = None) -> Int8Kernel:
                  compile_flags(INT8_TIERS) if cflags is None else cflags)
 
 
-class TiledKernel:
-    """The compiled tiled bf16 kernel, called with tensors (engine/model/quant_tiled.py checks
-    inputs). Every call releases the GIL (ctypes)."""
+class TiledKernel(_PackingKernel):
+    """The compiled tiled bf16 kernel (simd_paths "avx512-bf16" or "portable"), called with
+    tensors (engine/model/quant_tiled.py checks inputs). Every call releases the GIL (ctypes)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        super().__init__(library, "tiled")
         i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        self._packed_bytes = library.tiled_packed_bytes
-        self._packed_bytes.restype, self._packed_bytes.argtypes = i64, [c_int, i64, i64]
-        self._pack = library.tiled_pack
-        self._pack.restype, self._pack.argtypes = c_int, [ptr, c_int, i64, i64, ptr, c_int]
         self._linear = library.tiled_linear
         self._linear.restype = c_int
         self._linear.argtypes = [ptr, ptr, c_int, ptr, i64, i64, i64, c_int]
-        library.tiled_simd_paths.restype = ctypes.c_char_p
-        self.simd_paths: str = library.tiled_simd_paths().decode()
-        """The code path compiled in: "avx512-bf16" or "portable"."""
-
-    def pack(self, data: torch.Tensor, qtype: str, cols: int, threads: int) -> torch.Tensor:
-        """The tiled form (uint8, 64-byte aligned start) of the `[rows, cols]` weight whose GGUF
-        blocks of format `qtype` are `data` (`GGUFBlocks.data`; tiled_matmul.cpp)."""
-        rows = data.shape[0]
-        out = _aligned_empty(self._packed_bytes(_QTYPES[qtype], rows, cols))
-        failed = self._pack(data.data_ptr(), _QTYPES[qtype], rows, cols, out.data_ptr(),
-                            threads)
-        assert not failed, "tiled_pack refused inputs that GGUFBlocks accepted"
-        return out
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, qtype: str, rows: int,
                threads: int) -> torch.Tensor:

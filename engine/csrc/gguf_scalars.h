@@ -1,7 +1,7 @@
-// Scalar conversions shared by the engine's GGUF kernels (quant_matmul.cpp, int8_matmul.cpp):
-// float16 (the blocks' scales) and bfloat16 (activations) to and from float32, exactly as torch
-// rounds. Plain C++; the build key of each library covers this header
-// (paged_kernels/cpp_build.py: local_headers).
+// What the engine's GGUF kernels (quant_matmul.cpp, int8_matmul.cpp, tiled_matmul.cpp) share:
+// conversions of float16 (the blocks' scales) and bfloat16 (activations) to and from float32,
+// exactly as torch rounds, and the nibble -> bf16 table of the bf16 paths. Plain C++; the build
+// key of each library covers this header (paged_kernels/cpp_build.py: local_headers).
 #pragma once
 
 #include <cmath>
@@ -29,6 +29,14 @@ inline float f16_to_f32(uint16_t h) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+// bf16 bits of i & 15 for a 5-bit index i: the vpermw table that turns Q4_1 nibbles into exact
+// bf16 values (a word holding a nibble and bits above it needs no mask for the fifth index bit).
+alignas(64) inline constexpr uint16_t kNibbleBf16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
 
 inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 

@@ -154,12 +154,7 @@ inline void feature_simd(const Problem& p, int64_t n, int64_t m0) {
 // per block on Zen 4 (vs about 6.5 for the float32 path), so two cores keep up with memory.
 template <int MT>
 inline void q4_1_feature_bf16(const Problem& p, int64_t n, int64_t m0) {
-  // bf16 bits of i & 15 for a 5-bit index: the low-nibble half needs no mask.
-  const __m512i table = _mm512_set_epi16(
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i table = _mm512_loadu_si512(gguf_scalars::kNibbleBf16);  // nibble -> bf16
   __m512 acc[MT];
   __m128 accm[MT];
   for (int i = 0; i < MT; ++i) { acc[i] = _mm512_setzero_ps(); accm[i] = _mm_setzero_ps(); }

@@ -228,12 +228,7 @@ template <int QTYPE, int MT>
 void tile_simd(const Problem& p, int64_t t, int64_t m0, __m512i* unpacked, bool fresh) {
   constexpr int CH = MT < CHAIN_ROWS ? 2 : 1;
   constexpr int64_t TB = QTYPE == 0 ? Q4_TB : Q8_TB;
-  // bf16 bits of i & 15 for a 5-bit index: a word holding both nibbles needs no mask for the low.
-  const __m512i table = _mm512_set_epi16(
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i table = _mm512_loadu_si512(gguf_scalars::kNibbleBf16);  // nibble -> bf16
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   const uint8_t* base = p.w + t * p.nb * TB;

@@ -12,10 +12,11 @@ docs/quant.md has the measurements.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
+
+from engine.model.packed_weight import LazyKernel, PackedWeight
 
 if TYPE_CHECKING:
     from engine.model.gguf_blocks import GGUFBlocks
@@ -24,28 +25,15 @@ if TYPE_CHECKING:
 __all__ = ["Int8Weight", "pack_int8", "int8_linear", "int8_kernel_problem"]
 
 
-@dataclass(frozen=True)
-class Int8Weight:
+class Int8Weight(PackedWeight):
     """One `[rows, cols]` weight in the int8 kernel's tiled layout: `packed` is uint8, `qtype`
     the GGUF format it came from ("Q4_1" or "Q8_0")."""
-
-    qtype: str
-    packed: torch.Tensor
-    rows: int
-    cols: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.rows, self.cols
 
 
 def pack_int8(blocks: "GGUFBlocks", kernel: Optional["Int8Kernel"] = None) -> Int8Weight:
     """The tiled form of `blocks` (the same weights, bit for bit). `kernel`: a build of the
     kernel (tests pass the portable one); default this machine's."""
-    kernel = _resolve(kernel)
-    rows, cols = blocks.shape
-    packed = kernel.pack(blocks.data, blocks.qtype, cols, torch.get_num_threads())
-    return Int8Weight(blocks.qtype, packed, rows, cols)
+    return Int8Weight.pack(blocks, _KERNEL.get(kernel))
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight,
@@ -56,8 +44,8 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight,
     on it."""
     if x.dim() != 2 or x.shape[1] != weight.cols or x.dtype not in X_DTYPES or not x.is_cpu:
         raise bad_x(x, weight.cols)  # one combined test: this runs ~120 times per decode step
-    return _resolve(kernel).linear(x.contiguous(), weight.packed, weight.qtype, weight.rows,
-                                   torch.get_num_threads())
+    return _KERNEL.get(kernel).linear(x.contiguous(), weight.packed, weight.qtype, weight.rows,
+                                      torch.get_num_threads())
 
 
 #: The activation dtypes of both GGUF kernels (this one and engine/model/quant.py's).
@@ -72,18 +60,13 @@ def bad_x(x: torch.Tensor, cols: int) -> ValueError:
                       f"{x.device}")
 
 
-_extension = None
+def _load() -> "Int8Kernel":
+    from engine.native_build import load_int8
+
+    return load_int8()
 
 
-def _resolve(kernel: Optional["Int8Kernel"]) -> "Int8Kernel":
-    global _extension
-    if kernel is not None:
-        return kernel
-    if _extension is None:
-        from engine.native_build import load_int8
-
-        _extension = load_int8()
-    return _extension
+_KERNEL: LazyKernel["Int8Kernel"] = LazyKernel(_load)
 
 
 def int8_kernel_problem() -> Optional[str]:
@@ -92,7 +75,7 @@ def int8_kernel_problem() -> Optional[str]:
     from engine.native_build import BuildFailed
 
     try:
-        _resolve(None)
+        _KERNEL.get()
     except BuildFailed as exc:
         return f"its C++ kernel, which did not build: {exc}"
     return None

@@ -13,10 +13,11 @@ exactly; docs/quant.md has the measurements.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
+
+from engine.model.packed_weight import LazyKernel, PackedWeight
 
 if TYPE_CHECKING:
     from engine.model.gguf_blocks import GGUFBlocks
@@ -25,28 +26,15 @@ if TYPE_CHECKING:
 __all__ = ["TiledWeight", "pack_tiled", "tiled_linear", "tiled_kernel_problem"]
 
 
-@dataclass(frozen=True)
-class TiledWeight:
+class TiledWeight(PackedWeight):
     """One `[rows, cols]` weight in the tiled bf16 kernel's layout: `packed` is uint8, `qtype`
     the GGUF format it came from ("Q4_1" or "Q8_0")."""
-
-    qtype: str
-    packed: torch.Tensor
-    rows: int
-    cols: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.rows, self.cols
 
 
 def pack_tiled(blocks: "GGUFBlocks", kernel: Optional["TiledKernel"] = None) -> TiledWeight:
     """The tiled form of `blocks` (the same weights, bit for bit, in as many bytes). `kernel`: a
     build of the kernel (tests pass the portable one); default this machine's."""
-    kernel = _resolve(kernel)
-    rows, cols = blocks.shape
-    packed = kernel.pack(blocks.data, blocks.qtype, cols, torch.get_num_threads())
-    return TiledWeight(blocks.qtype, packed, rows, cols)
+    return TiledWeight.pack(blocks, _KERNEL.get(kernel))
 
 
 def tiled_linear(x: torch.Tensor, weight: TiledWeight,
@@ -57,8 +45,8 @@ def tiled_linear(x: torch.Tensor, weight: TiledWeight,
     tiled_matmul.cpp). ValueError naming `x` for any other x."""
     if x.dim() != 2 or x.shape[1] != weight.cols or x.dtype != torch.bfloat16 or not x.is_cpu:
         raise _bad_x(x, weight.cols)  # one combined test: this runs ~120 times per decode step
-    return _resolve(kernel).linear(x.contiguous(), weight.packed, weight.qtype, weight.rows,
-                                   torch.get_num_threads())
+    return _KERNEL.get(kernel).linear(x.contiguous(), weight.packed, weight.qtype, weight.rows,
+                                      torch.get_num_threads())
 
 
 def _bad_x(x: torch.Tensor, cols: int) -> ValueError:
@@ -67,18 +55,13 @@ def _bad_x(x: torch.Tensor, cols: int) -> ValueError:
     return ValueError(f"x: expected a bfloat16 CPU tensor, got {x.dtype} on {x.device}")
 
 
-_extension = None
+def _load() -> "TiledKernel":
+    from engine.native_build import load_tiled
+
+    return load_tiled()
 
 
-def _resolve(kernel: Optional["TiledKernel"]) -> "TiledKernel":
-    global _extension
-    if kernel is not None:
-        return kernel
-    if _extension is None:
-        from engine.native_build import load_tiled
-
-        _extension = load_tiled()
-    return _extension
+_KERNEL: LazyKernel["TiledKernel"] = LazyKernel(_load)
 
 
 def tiled_kernel_problem() -> Optional[str]:
@@ -87,7 +70,7 @@ def tiled_kernel_problem() -> Optional[str]:
     from engine.native_build import BuildFailed
 
     try:
-        kernel = _resolve(None)
+        kernel = _KERNEL.get()
     except BuildFailed as exc:
         return f"its C++ kernel, which did not build: {exc}"
     if kernel.simd_paths == "portable":
