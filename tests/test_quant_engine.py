@@ -93,7 +93,7 @@ def test_auto_needs_the_simd_kernel(monkeypatch):
     from engine.native_build import TIERS, load_quant
     from paged_kernels.cpp_build import compile_flags
 
-    monkeypatch.setattr(quant, "_extension", load_quant(compile_flags(TIERS, frozenset())))
+    monkeypatch.setattr(quant._KERNEL, "_kernel", load_quant(compile_flags(TIERS, frozenset())))
     assert not _gguf_quantization_applies("auto", torch.bfloat16, "cpu")
     assert _gguf_quantization_applies("gguf", torch.bfloat16, "cpu")
 

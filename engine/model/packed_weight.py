@@ -5,7 +5,8 @@ kernel, built or loaded at first use.
 file's Q4_1 / Q8_0 values exactly, and `qtype`, the GGUF format they came from. Its kinds are
 `Int8Weight` (engine/model/quant_int8.py, the int8-activation kernel) and `TiledWeight`
 (engine/model/quant_tiled.py, the exact bfloat16 one); `pack` makes either from the file's
-blocks through the kernel's `pack`. `LazyKernel` holds one kernel per process.
+blocks through the kernel's `pack`. `LazyKernel` holds one kernel per process (these two
+kernels' and quant.py's file-layout one).
 """
 
 from __future__ import annotations

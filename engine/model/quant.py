@@ -33,6 +33,7 @@ import torch
 from engine.config import QUANTIZATION_MODES
 from engine.model.checkpoint_names import fused_parts, layer_tensors
 from engine.model.gguf_blocks import BLOCK_BYTES, QK, GGUFBlocks
+from engine.model.packed_weight import LazyKernel
 from engine.model.quant_int8 import X_DTYPES, Int8Weight, bad_x, pack_int8
 from engine.model.quant_tiled import TiledWeight, pack_tiled, tiled_kernel_problem
 from engine.model.sharding import take_blocks
@@ -68,9 +69,8 @@ def quantized_linear(x: torch.Tensor, blocks: GGUFBlocks,
     this machine's."""
     if x.dim() != 2 or x.shape[1] != blocks.cols or x.dtype not in X_DTYPES or not x.is_cpu:
         raise bad_x(x, blocks.cols)  # one combined test: this runs ~120 times per decode step
-    if kernel is None:
-        kernel = _extension if _extension is not None else _kernel()
-    return kernel.matmul(x.contiguous(), blocks.data, blocks.qtype, torch.get_num_threads())
+    return _KERNEL.get(kernel).matmul(x.contiguous(), blocks.data, blocks.qtype,
+                                      torch.get_num_threads())
 
 
 class QuantizedWeight:
@@ -131,17 +131,13 @@ def _default_max_rows(blocks: Union[GGUFBlocks, TiledWeight], dense: torch.Tenso
     return TILED_BF16_MAX_ROWS.get(blocks.qtype, MAX_ROWS[dense.dtype])
 
 
-_extension = None
+def _load() -> "QuantKernel":
+    from engine.native_build import load_quant
+
+    return load_quant()
 
 
-def _kernel() -> "QuantKernel":
-    """The compiled kernel, built or loaded on first use (once per process)."""
-    global _extension
-    if _extension is None:
-        from engine.native_build import load_quant
-
-        _extension = load_quant()
-    return _extension
+_KERNEL: LazyKernel["QuantKernel"] = LazyKernel(_load)
 
 
 def kernel_problem(require_simd: bool = False) -> Optional[str]:
@@ -151,7 +147,7 @@ def kernel_problem(require_simd: bool = False) -> Optional[str]:
     from engine.native_build import BuildFailed
 
     try:
-        kernel = _kernel()
+        kernel = _KERNEL.get()
     except BuildFailed as exc:
         return f"its C++ kernel, which did not build: {exc}"
     if require_simd and kernel.simd_paths == "portable":
