@@ -113,12 +113,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def settings(args: argparse.Namespace, path: str) -> list[tuple[str, Optional[dict]]]:
-    """(name, speculative_config) of every setting, the baseline first."""
-    out: list[tuple[str, Optional[dict]]] = [("none", None)]
-    out += [(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k,
+def ngram_settings(args: argparse.Namespace) -> list[tuple[str, Optional[dict]]]:
+    """(name, speculative_config) of ngram speculation for each `--ngram-k`."""
+    return [(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k,
                               "prompt_lookup_max": 4, "prompt_lookup_min": 2})
             for k in args.ngram_k]
+
+
+def settings(args: argparse.Namespace, path: str) -> list[tuple[str, Optional[dict]]]:
+    """(name, speculative_config) of every setting, the baseline first."""
+    out: list[tuple[str, Optional[dict]]] = [("none", None), *ngram_settings(args)]
     out += [(f"draft_layers L={n} k={args.draft_k}",
              {"method": "draft_model", "draft_layers": n, "num_speculative_tokens": args.draft_k})
             for n in args.draft_layers]
@@ -252,7 +256,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     del probe
     if args.interleave:
         from bench.spec_interleaved import run_interleaved
-        report = run_interleaved(loaded, workloads, args, _commit())
+        report = run_interleaved(loaded, workloads, ngram_settings(args), args, _commit())
         _write(args.out, report)
         return report
     results: dict[str, Any] = {}

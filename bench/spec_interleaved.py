@@ -38,14 +38,6 @@ from engine.model.loader import LoadedModel
 BOOTSTRAP = 2000
 
 
-def interleaved_settings(args: argparse.Namespace) -> list[tuple[str, Optional[dict]]]:
-    """(name, speculative_config): plain twice, then ngram for each k."""
-    return [("none", None), ("none again", None)] + [
-        (f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k,
-                          "prompt_lookup_max": 4, "prompt_lookup_min": 2})
-        for k in args.ngram_k]
-
-
 def one_request(llm: LLM, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
     """Runs `prompt` alone; its output ids and TPOT in seconds."""
     eng = llm.llm_engine
@@ -88,10 +80,13 @@ def workload_params(args: argparse.Namespace) -> dict[str, tuple[str, float]]:
 
 
 def run_interleaved(loaded: LoadedModel, prompts: dict[str, list[list[int]]],
-                    args: argparse.Namespace, commit: str) -> dict[str, Any]:
-    """The interleaved comparison (module docstring) at git `commit`; returns the JSON report
-    and prints its table."""
-    settings = interleaved_settings(args)
+                    speculating: list[tuple[str, Optional[dict]]], args: argparse.Namespace,
+                    commit: str) -> dict[str, Any]:
+    """The interleaved comparison (module docstring) of plain decoding twice against each
+    `(name, speculative_config)` of `speculating`, at git `commit`; returns the JSON report and
+    prints its table."""
+    settings: list[tuple[str, Optional[dict]]] = [("none", None), ("none again", None),
+                                                  *speculating]
     blocks = -(-(max(len(p) for ps in prompts.values() for p in ps) + args.max_tokens) // 16)
     engines = {name: LLM(loaded, block_size=16, num_kv_blocks=2 * blocks,
                          speculative_config=spec) for name, spec in settings}
