@@ -14,13 +14,10 @@ import torch
 from engine import LLM, SamplingParams
 from engine.model.loader import load_model
 from engine.spec_decode import Proposal
+from spec_timing import fake_step_times, linear
+
 from engine.spec_decode.controller import (PROBE_MAX, Acceptance, SpecController,
                                            StepCosts, expected_tokens)
-
-
-def linear(slope: float):
-    """T(R) = 1 + slope (R - 1): a step's cost grows by `slope` of a one-row step per row."""
-    return lambda rows: 1.0 + slope * (rows - 1)
 
 
 def trained(max_k: int, cost, rows=range(1, 8)) -> SpecController:
@@ -164,31 +161,6 @@ def loaded(one_torch_thread):
     return load_model(None, dtype=torch.float32)
 
 
-class FakeClock:
-    """Engine time that advances only when the runner runs a step: by `cost(rows)`."""
-
-    def __init__(self, cost) -> None:
-        self.now = 0.0
-        self.cost = cost
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def fake_timed(llm: LLM, cost) -> None:
-    eng = llm.llm_engine
-    clock = FakeClock(cost)
-    eng.speculator.clock = clock
-    execute = eng.runner.execute
-
-    def timed(out, tables, propose=None):
-        result = execute(out, tables, propose)
-        clock.now += cost(out.num_batched_tokens + sum(map(len, out.drafts.values())))
-        return result
-
-    eng.runner.execute = timed
-
-
 class CountingWrong:
     """Proposes a token the target never picks; counts the tokens it proposed."""
 
@@ -220,7 +192,7 @@ def make_llm(loaded, k: int) -> LLM:
 
 def test_engine_a_wrong_proposer_ends_up_proposing_rarely(loaded):
     llm = make_llm(loaded, 3)
-    fake_timed(llm, linear(0.25))
+    fake_step_times(llm, linear(0.25))
     wrong = CountingWrong(token=0)
     llm.llm_engine.speculator.proposer = wrong
     prompt = loaded.tokenizer.encode("The capital of France is")
@@ -240,7 +212,7 @@ def test_engine_a_copying_request_keeps_k_and_its_greedy_output(loaded):
     plain = LLM(model=loaded, num_kv_blocks=32).generate(
         [{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     llm = make_llm(loaded, 3)
-    fake_timed(llm, linear(0.25))
+    fake_step_times(llm, linear(0.25))
     out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == plain
     counters = llm.llm_engine.speculator.counters()

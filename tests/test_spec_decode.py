@@ -20,6 +20,7 @@ from engine import LLM, SamplingParams
 from engine.model.loader import load_model
 from engine.server.metrics import ServerMetrics
 from engine.spec_decode import Proposal
+from spec_timing import fake_step_times
 
 MAX_TOKENS = 16
 TEXTS = [
@@ -121,6 +122,7 @@ def check_clean(llm, outs) -> None:
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_output_equals_plain_in_a_mixed_batch(loaded, prompts, reference, k):
     llm = make_llm(loaded, ngram(k))
+    fake_step_times(llm)
     check_every_step(llm)
     outs = llm.generate(*mixed_batch(prompts), use_tqdm=False)
     check_mixed(llm, outs, reference)
@@ -173,22 +175,6 @@ class WrongProposer:
         pass
 
 
-def fake_step_times(llm) -> None:
-    """The speculator's clock advances only when the runner runs a step, by 1 + (R - 1) / 4 for
-    a step of R query rows: the controller's choices no longer depend on the machine."""
-    eng = llm.llm_engine
-    now = [0.0]
-    eng.speculator.clock = lambda: now[0]
-    execute = eng.runner.execute
-
-    def timed(out, tables, propose=None):
-        result = execute(out, tables, propose)
-        now[0] += 1 + (out.num_batched_tokens + sum(map(len, out.drafts.values())) - 1) / 4
-        return result
-
-    eng.runner.execute = timed
-
-
 def test_a_wrong_draft_changes_no_greedy_token_and_backs_off(loaded, prompts, reference):
     llm = make_llm(loaded, ngram(3))
     fake_step_times(llm)
@@ -209,6 +195,7 @@ def test_a_wrong_draft_changes_no_greedy_token_and_backs_off(loaded, prompts, re
 
 def test_spec_counters_on_the_metrics_page(loaded, prompts):
     llm = make_llm(loaded, ngram(2))
+    fake_step_times(llm)
     llm.generate([{"prompt_token_ids": prompts[1]}], GREEDY, use_tqdm=False)
     stats = llm.llm_engine.stats()
     metrics = ServerMetrics("m")

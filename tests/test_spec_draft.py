@@ -18,6 +18,7 @@ from engine import LLM, SamplingParams
 from engine.speculative_config import SpeculativeConfig
 from engine.spec_decode.draft_model import first_layers, make_draft_proposer
 from family_case import prompts, write_checkpoint
+from spec_timing import fake_step_times
 
 NUM_LAYERS = 4
 K = 3
@@ -176,6 +177,7 @@ def test_greedy_output_with_a_draft_equals_transformers(target, batch, hf_batch,
     settings = {"num_kv_blocks": 256, **E2E_CASES[case]}
     llm = LLM(target, dtype=torch.float32, block_size=BLOCK_SIZE, speculative_config=spec,
               **settings)
+    fake_step_times(llm)
     n = 2 if case == "n=2" else 1
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=n)
     if case == "prefix":

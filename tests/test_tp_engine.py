@@ -30,6 +30,7 @@ from engine import LLM, SamplingParams
 from engine.distributed.executor import WorkerDiedError
 from family_case import prompts, transformers_greedy, write_checkpoint
 from serve_process import REPO, ServerProcess, free_port
+from spec_timing import fake_step_times
 
 NEW_TOKENS = 10
 #: A pool of 12 blocks of 4 tokens: the batch below cannot run at once, so it preempts.
@@ -149,6 +150,7 @@ def test_four_ranks_replicate_kv_heads_and_equal_one_process_under_swap(tiny):
     assert len(pids) == 3
     try:
         assert llm.llm_engine.kv_cache.device_caches[0][0].shape[1] == 1  # 2 KV heads, 4 ranks
+        fake_step_times(llm)
         assert run_cases(llm) == want
         assert llm.llm_engine.stats().spec_decode_num_draft_tokens > 0
     finally:
