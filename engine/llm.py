@@ -12,6 +12,7 @@ import torch
 
 from engine.beam_search import BeamSearcher, BeamSearchOutput
 from engine.config import EngineConfig
+from engine.dtypes import resolve_dtype
 from engine.llm_engine import LLMEngine
 from engine.model.loader import LoadedModel
 from engine.outputs import RequestOutput
@@ -19,23 +20,12 @@ from engine.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = Union[str, dict]
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16, "auto": torch.float32}
-
-
-def _resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise ValueError(f"dtype: expected a torch.dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
-
-
 class LLM:
     """A model with its paged KV cache, ready for offline batched generation.
 
     `model`: None (the default SmolLM2-135M-Instruct GGUF), a `.gguf` path, a Hugging Face
-    directory, or a `LoadedModel`. `dtype`: float32 or bfloat16 (or a name). The other arguments
+    directory, or a `LoadedModel`. `dtype`: float32 or bfloat16, or a name of `engine.dtypes.DTYPE_NAMES` ("auto":
+    bfloat16 where the device multiplies it natively, else float32). The other arguments
     are `EngineConfig`'s (see there): the KV pool as `num_kv_blocks` or `kv_cache_memory_bytes`,
     the step budgets, prefix caching, the preemption mode, the attention backend and
     `quantization` ("auto", "gguf" or "none": whether small batches multiply by a GGUF file's
@@ -78,7 +68,8 @@ class LLM:
                               speculative_config=speculative_config,
                               tensor_parallel_size=tensor_parallel_size,
                               tensor_parallel_threads=tensor_parallel_threads)
-        self.llm_engine = LLMEngine(model, _resolve_dtype(dtype), config, device, kv_fill)
+        self.llm_engine = LLMEngine(model, resolve_dtype(dtype, device), config, device,
+                                    kv_fill)
         self._counter = 0
 
     def shutdown(self) -> None:

@@ -1,7 +1,7 @@
 """`python -m engine.serve`: an OpenAI-compatible HTTP server over one `LLMEngine`.
 
 With no arguments it serves the default model (SmolLM2-135M-Instruct) on 127.0.0.1:8000 in
-bfloat16. The HTTP port opens at once; the model loads in the engine thread, and until it is
+bfloat16 (float32 on a CPU without native bfloat16 instructions). The HTTP port opens at once; the model loads in the engine thread, and until it is
 ready `/health` and the API answer 503. See docs/serving.md for the endpoints and flags.
 """
 
@@ -16,14 +16,12 @@ import sys
 from typing import Any, Optional, Sequence
 
 from engine.config import KV_ALLOCATIONS, KV_CACHE_DTYPES, QUANTIZATION_MODES
+from engine.dtypes import DTYPE_NAMES, resolve_dtype
 from engine.server import access, connections, limits, model_options, shutdown
 from engine.speculative_config import SpeculativeConfig
 
 #: Environment variable read when no flag gives the API key (then vLLM's VLLM_API_KEY).
 API_KEY_ENV = access.API_KEY_ENVS[0]
-_DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16", "half": "float16",
-           "float32": "float32", "fp32": "float32", "float": "float32"}
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
                "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -75,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     access.add_arguments(p)
-    p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
-                   help="weights and KV cache dtype (auto = bfloat16)")
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPE_NAMES),
+                   help="weights and KV cache dtype (auto: bfloat16 where the device multiplies "
+                        "it natively, a GPU or a CPU with AVX-512 BF16 or AMX; float32 elsewhere)")
     p.add_argument("--backend", default="auto", help="paged_kernels attention backend")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES,
                    help="gguf: batches of few tokens multiply by the GGUF file's own Q4_1/Q8_0 "
@@ -173,7 +172,7 @@ def engine_builder(args: argparse.Namespace,
             tensor_parallel_size=args.tensor_parallel_size,
             tensor_parallel_threads=args.num_threads or 1,
             speculative_config=args.speculative_config)
-        dtype = getattr(torch, _DTYPES[args.dtype])
+        dtype = resolve_dtype(args.dtype, options.device)
         engine = LLMEngine(args.model, dtype=dtype, config=config, device=options.device)
         if options.chat_template is not None:
             engine.tokenizer.chat_template = options.chat_template
