@@ -6,7 +6,8 @@ headers: a build takes seconds), through the build helper every C++ build shares
 (`engine/csrc/tiled_matmul.cpp`, bfloat16 activations on tiles of the file's weights, AVX-512 BF16).
 
 SIMD tiers (`TIERS`, `INT8_TIERS`): the quantized matmul's AVX-512 path (F/BW/VL, FMA, F16C), with
-the bf16 dot-product path on top when the CPU has AVX-512 BF16; the int8 kernel's AVX-512 VNNI
+the bf16 dot-product path on top when the CPU has AVX-512 BF16, else its AVX2 path (AVX2, FMA,
+F16C); the int8 kernel's AVX-512 VNNI
 path (which also needs BF16, FMA and F16C); the tiled bf16 kernel's AVX-512 BF16 path
 (`TILED_TIERS`). Elsewhere the portable C++ path is compiled.
 """
@@ -28,8 +29,9 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "quant_matmul.cpp"
 INT8_SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_matmul.cpp"
 TILED_SOURCE = Path(__file__).resolve().parent / "csrc" / "tiled_matmul.cpp"
 #: The quantized matmul's SIMD tiers (paged_kernels.cpp_build.ISA): its AVX-512 path, with the
-#: bfloat16 dot-product path for bf16 activations (Zen 4, Sapphire Rapids) where the CPU has it.
-TIERS = ("avx512 + fma + f16c + bf16", "avx512 + fma + f16c")
+#: bfloat16 dot-product path for bf16 activations (Zen 4, Sapphire Rapids) where the CPU has it,
+#: and its AVX2 path (Zen 2/3, Haswell and later) below them.
+TIERS = ("avx512 + fma + f16c + bf16", "avx512 + fma + f16c", "avx2 + fma + f16c")
 #: The int8 kernel's SIMD path: VNNI dot products, bf16 output conversion, f16 scales.
 INT8_TIERS = ("avx512 + vnni + bf16 + fma + f16c",)
 #: The tiled bf16 kernel's SIMD path: vdpbf16ps, nibble table lookups (BW), f16 scales.
@@ -60,7 +62,7 @@ class QuantKernel:
                                  ctypes.c_int]
         library.quant_simd_paths.restype = ctypes.c_char_p
         self.simd_paths: str = library.quant_simd_paths().decode()
-        """The code paths compiled in: "avx512,bf16-dot", "avx512" or "portable"."""
+        """The code paths compiled in: "avx512,bf16-dot", "avx512", "avx2" or "portable"."""
 
     def matmul(self, x: torch.Tensor, data: torch.Tensor, qtype: str,
                threads: int) -> torch.Tensor:

@@ -16,17 +16,24 @@ import torch
 
 from engine.model.quant import (
     BLOCK_BYTES,
+    FLOAT32_MAX_ROWS,
     MAX_ROWS,
     GGUFBlocks,
     QuantizedWeight,
     attach_gguf_weights,
+    float32_max_rows,
     quantized_linear,
 )
+from paged_kernels.cpp_build import cpu_flags
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402  (after the skip)
 
 U32 = 2.0 ** -24
+#: The CPU features of the AVX2 build (engine.native_build.TIERS' last tier).
+AVX2 = frozenset({"avx2", "fma", "f16c"})
+#: Every crossover (M past each is where a test's M list must reach).
+CROSSOVERS = {*MAX_ROWS.values(), *FLOAT32_MAX_ROWS.values()}
 
 
 def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int) -> np.ndarray:
@@ -105,7 +112,7 @@ def test_kernel_matches_gguf_dequantisation(qtype, dtype, rows, cols):
     rng = np.random.default_rng(rows * 1000 + cols)
     raw = random_blocks(rng, qtype, rows, cols)
     blocks = padded_blocks(raw, qtype, cols)
-    for m in sorted({1, 2, 3, 5, *MAX_ROWS.values(), *(n + 1 for n in MAX_ROWS.values()), 17}):
+    for m in sorted({1, 2, 3, 5, *CROSSOVERS, *(n + 1 for n in CROSSOVERS), 17}):
         x = torch.from_numpy(rng.normal(0.0, 1.0, (m, cols))).to(dtype)
         check(quantized_linear(padded_x(x), blocks), x, raw, qtype)
 
@@ -122,7 +129,57 @@ def test_portable_build_matches_gguf_dequantisation(portable, qtype, dtype):
         check(quantized_linear(padded_x(x), blocks, kernel=portable), x, raw, qtype)
 
 
-def test_result_does_not_depend_on_the_thread_count():
+@pytest.fixture(scope="module")
+def avx2():
+    """The AVX2 build of the kernel (AVX2 + FMA + F16C, also on a CPU with AVX-512): a build of
+    its own (seconds, once per machine); skipped on a CPU without those features."""
+    from engine.native_build import TIERS, load_quant
+    from paged_kernels.cpp_build import compile_flags
+
+    missing = sorted(AVX2 - cpu_flags())
+    if missing:
+        pytest.skip(f"the AVX2 build needs a CPU with {sorted(AVX2)}; this one lacks {missing}")
+    return load_quant(compile_flags(TIERS, AVX2))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows,cols", [(1, 32), (37, 96), (131, 576)])
+def test_avx2_build_matches_gguf_dequantisation(avx2, qtype, dtype, rows, cols):
+    """M across the 4-row passes, the 8-row register tile and every crossover."""
+    assert avx2.simd_paths == "avx2"
+    rng = np.random.default_rng(rows * 1000 + cols + 1)
+    raw = random_blocks(rng, qtype, rows, cols)
+    blocks = padded_blocks(raw, qtype, cols)
+    for m in sorted({1, 2, 3, 4, 5, 7, 8, 9, 12, 17, *CROSSOVERS, *(n + 1 for n in CROSSOVERS)}):
+        x = torch.from_numpy(rng.normal(0.0, 1.0, (m, cols))).to(dtype)
+        check(quantized_linear(padded_x(x), blocks, kernel=avx2), x, raw, qtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_avx2_rows_do_not_depend_on_the_batch(avx2, qtype):
+    """A row's bits are the same alone and in any row group (its sums' order is fixed)."""
+    rng = np.random.default_rng(11)
+    raw = random_blocks(rng, qtype, 21, 192)
+    blocks = GGUFBlocks(qtype, torch.from_numpy(raw), 192)
+    x = torch.from_numpy(rng.normal(0.0, 1.0, (11, 192))).float()
+    batch = quantized_linear(x, blocks, kernel=avx2)
+    for i in range(x.shape[0]):
+        assert torch.equal(quantized_linear(x[i:i + 1], blocks, kernel=avx2)[0], batch[i])
+
+
+def test_float32_crossover_follows_the_kernel_path(portable, avx2):
+    assert float32_max_rows(avx2) == FLOAT32_MAX_ROWS["avx2"]
+    assert float32_max_rows(portable) == MAX_ROWS[torch.float32]
+    dense = torch.zeros(16, 64)
+    blocks = GGUFBlocks("Q4_1", torch.from_numpy(random_blocks(np.random.default_rng(1), "Q4_1",
+                                                               16, 64)), 64)
+    assert QuantizedWeight(blocks, dense).max_rows == float32_max_rows()
+
+
+@pytest.mark.parametrize("build", ["this machine's", "avx2"])
+def test_result_does_not_depend_on_the_thread_count(request, build):
+    kernel = request.getfixturevalue("avx2") if build == "avx2" else None
     rng = np.random.default_rng(3)
     raw = random_blocks(rng, "Q4_1", 300, 128)
     blocks = GGUFBlocks("Q4_1", torch.from_numpy(raw), 128)
@@ -130,9 +187,9 @@ def test_result_does_not_depend_on_the_thread_count():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = quantized_linear(x, blocks)
+        one = quantized_linear(x, blocks, kernel=kernel)
         torch.set_num_threads(2)
-        two = quantized_linear(x, blocks)
+        two = quantized_linear(x, blocks, kernel=kernel)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
@@ -148,6 +205,10 @@ def test_build_flags_follow_the_cpu():
     assert "-mavx512bf16" in compile_flags(TIERS, frozenset(base | {"avx512_bf16"}))
     without = compile_flags(TIERS, frozenset(base - {"avx512bw"} | {"avx512_bf16"}))
     assert not any(f.startswith("-m") for f in without) and "-fopenmp" in without
+    avx2 = compile_flags(TIERS, frozenset(base - {"avx512bw"} | {"avx2"}))
+    assert {"-mavx2", "-mfma", "-mf16c"} <= set(avx2)
+    assert not any(f.startswith("-mavx512") for f in avx2)
+    assert not any(f.startswith("-m") for f in compile_flags(TIERS, frozenset({"avx2", "fma"})))
 
 
 def test_bad_inputs_name_the_argument():

@@ -2,9 +2,10 @@
 
 The oracle is transformers' own Llama loaded from the same GGUF file, with `generate(do_sample=
 False)`; it shares no code with the engine. Six prompts with different output lengths make the
-running batch shrink from 6 sequences to 1. With the default crossover (8 rows in float32) prefill
-runs on the dense weights and every decode step on the file's blocks; with the crossover lowered
-to 3, decode steps take both paths. A spy proves which ran. The KV cache is filled with NaN.
+running batch shrink from 6 sequences to 1. With the default float32 crossover (8 rows on the
+kernel's AVX-512 path, 24 on AVX2: `float32_max_rows`) prefill runs on the dense weights and every
+decode step on the file's blocks; with the crossover lowered to 3, decode steps take both paths.
+A spy proves which ran. The KV cache is filled with NaN.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import engine.model.decoder as decoder
 from engine import LLM, SamplingParams
 from engine.model.loader import _gguf_quantization_applies, load_model
-from engine.model.quant import MAX_ROWS, QuantizedWeight
+from engine.model.quant import QuantizedWeight, float32_max_rows
 
 TEXTS = ["The capital of France is",
          "Once upon a time, in a land far away, there lived a kind old man who",
@@ -45,10 +46,11 @@ def hf_greedy(hf_greedy_continuations, prompts):
     return hf_greedy_continuations(prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("max_rows", [MAX_ROWS[torch.float32], 3])
+@pytest.mark.parametrize("crossover", ["default", "lowered"])
 def test_greedy_equals_transformers_on_both_paths(loaded, prompts, hf_greedy, monkeypatch,
-                                                   max_rows):
+                                                   crossover):
     assert loaded.quantization == "gguf"
+    max_rows = float32_max_rows() if crossover == "default" else 3
     weights = [w for layer in loaded.model.layers for w in vars(layer).values()
                if isinstance(w, QuantizedWeight)] + [loaded.model.lm_head]
     assert len(weights) == 4 * len(loaded.model.layers) + 1
@@ -87,8 +89,8 @@ def test_quantization_option_is_checked():
 
 
 def test_auto_needs_the_simd_kernel(monkeypatch):
-    """`auto` turns the blocks on only where the kernel has its measured AVX-512 path; `gguf`
-    takes the portable one too."""
+    """`auto` turns the blocks on only where the kernel has a measured SIMD path (AVX-512 or
+    AVX2); `gguf` takes the portable one too."""
     import engine.model.quant as quant
     from engine.native_build import TIERS, load_quant
     from paged_kernels.cpp_build import compile_flags

@@ -21,6 +21,7 @@ from engine.model.quant import (
     UNTILED_BF16_MAX_ROWS,
     GGUFBlocks,
     QuantizedWeight,
+    float32_max_rows,
 )
 from engine.model.quant_tiled import TiledWeight, pack_tiled, tiled_linear
 from engine.native_build import TILED_TIERS, load_tiled
@@ -92,7 +93,7 @@ def test_default_crossovers_follow_the_path_and_format():
         tiled = QuantizedWeight(pack_tiled(blocks), dense).max_rows
         assert tiled == TILED_BF16_MAX_ROWS.get(qtype, MAX_ROWS[torch.bfloat16])
         assert QuantizedWeight(blocks, dense).max_rows == UNTILED_BF16_MAX_ROWS
-        assert QuantizedWeight(blocks, dense.float()).max_rows == MAX_ROWS[torch.float32]
+        assert QuantizedWeight(blocks, dense.float()).max_rows == float32_max_rows()
 
 
 @pytest.mark.parametrize("m", [3, 16, 25])
@@ -143,7 +144,7 @@ def test_model_reads_the_tiles_up_to_the_crossover(monkeypatch):
     f32 = DecoderForCausalLM(config, dtype=torch.float32)
     attach_gguf_weights(f32, given)
     assert not f32.layers[0].down_proj.tiled
-    assert f32.layers[0].down_proj.max_rows == MAX_ROWS[torch.float32]
+    assert f32.layers[0].down_proj.max_rows == float32_max_rows()
     untiled = DecoderForCausalLM(config, dtype=torch.bfloat16)
     attach_gguf_weights(untiled, given, tiled=False)
     assert untiled.layers[0].down_proj.max_rows == UNTILED_BF16_MAX_ROWS

@@ -78,7 +78,7 @@ def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
     every batch by them with activations quantized to int8 (llama.cpp's CPU scheme: faster,
     approximate activations; same requirements); "none" (or None) keeps
     dense weights only; "auto" is "gguf" where that applies (a GGUF model on the CPU in float32
-    or bfloat16 whose kernel builds with its AVX-512 path) and "none" elsewhere.
+    or bfloat16 whose kernel builds with a SIMD path, AVX-512 or AVX2) and "none" elsewhere.
     FileNotFoundError when nothing is at `model`; ValueError when it is not a model of a
     supported family (docs/models.md), or when "gguf" is asked for where it does not apply.
 
@@ -145,7 +145,7 @@ def _gguf_quantization_applies(quantization: str, dtype: torch.dtype,
                                device: Union[str, torch.device]) -> bool:
     """Whether a GGUF model loads with its blocks: always for "gguf" and "gguf-int8"
     (ValueError where their kernel cannot run), for "auto" where the "gguf" kernel runs and has
-    its AVX-512 path, never for "none"."""
+    a SIMD path (AVX-512 or AVX2), never for "none"."""
     if quantization == "none":
         return False
     problem = None

@@ -41,16 +41,20 @@ from engine.model.sharding import take_blocks
 if TYPE_CHECKING:
     from engine.native_build import QuantKernel
 
-__all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "TILED_BF16_MAX_ROWS", "UNTILED_BF16_MAX_ROWS",
-           "QUANTIZATION_MODES",
+__all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "FLOAT32_MAX_ROWS", "TILED_BF16_MAX_ROWS",
+           "UNTILED_BF16_MAX_ROWS", "QUANTIZATION_MODES", "float32_max_rows",
            "GGUFBlocks", "TiledWeight", "QuantizedWeight", "quantized_linear", "kernel_problem",
            "attach_gguf_weights"]
 
 #: Per dtype of the dense weight (and the activations): the most token rows for which the blocks
 #: are used; above it the dense weight is. Measured crossovers of SmolLM2-135M's decode-step
 #: matmuls on a 2-core Zen 4 (docs/quant.md): bfloat16 on the tiled blocks (`TiledWeight`),
-#: float32 on the file's layout.
+#: float32 on the file's layout with the kernel's AVX-512 path.
 MAX_ROWS = {torch.bfloat16: 48, torch.float32: 8}
+#: Per kernel path (`QuantKernel.simd_paths`), its float32 crossover where it differs from
+#: `MAX_ROWS[float32]`: the AVX2 path, measured on a 2-core Zen 3, against oneDNN's float32 matmul
+#: without AVX-512 (docs/quant.md).
+FLOAT32_MAX_ROWS = {"avx2": 24}
 #: Per GGUF format, the tiled bfloat16 path's crossover where it is below `MAX_ROWS[bfloat16]`:
 #: Q8_0 costs more to unpack than Q4_1, and its one matrix here, the output head (49152 rows),
 #: is where oneDNN's dense kernel is at its most efficient.
@@ -77,9 +81,9 @@ class QuantizedWeight:
     """A projection weight with both forms: `blocks` (the file's weights, in the file's layout,
     `GGUFBlocks`, or tiled, `TiledWeight`, which needs a bfloat16 `dense`) and `dense` (the
     model's own weight, plain or oneDNN-packed, same `[rows, cols]`). The model's `_linear`
-    multiplies by the blocks when `use_blocks(x)` (at most `max_rows` rows; default
-    `MAX_ROWS` of the dense dtype; in bfloat16, `TILED_BF16_MAX_ROWS` of the format where it has
-    one, and `UNTILED_BF16_MAX_ROWS` on untiled blocks) and by `dense`
+    multiplies by the blocks when `use_blocks(x)` (at most `max_rows` rows; default in float32
+    `float32_max_rows()`; in bfloat16 `MAX_ROWS[bfloat16]`, `TILED_BF16_MAX_ROWS` of the format
+    where it has one, and `UNTILED_BF16_MAX_ROWS` on untiled blocks) and by `dense`
     otherwise; or, when `int8` is set (quantization "gguf-int8"), always by that tiled copy of
     the blocks with int8 activations (engine/model/quant_int8.py)."""
 
@@ -125,7 +129,7 @@ class QuantizedWeight:
 
 def _default_max_rows(blocks: Union[GGUFBlocks, TiledWeight], dense: torch.Tensor) -> int:
     if dense.dtype != torch.bfloat16:
-        return MAX_ROWS[dense.dtype]
+        return float32_max_rows()
     if not isinstance(blocks, TiledWeight):
         return UNTILED_BF16_MAX_ROWS
     return TILED_BF16_MAX_ROWS.get(blocks.qtype, MAX_ROWS[dense.dtype])
@@ -140,10 +144,17 @@ def _load() -> "QuantKernel":
 _KERNEL: LazyKernel["QuantKernel"] = LazyKernel(_load)
 
 
+def float32_max_rows(kernel: Optional["QuantKernel"] = None) -> int:
+    """The float32 crossover of `kernel` (default this machine's build): its path's
+    `FLOAT32_MAX_ROWS` entry, else `MAX_ROWS[float32]`. Raises BuildFailed when the kernel does
+    not build."""
+    return FLOAT32_MAX_ROWS.get(_KERNEL.get(kernel).simd_paths, MAX_ROWS[torch.float32])
+
+
 def kernel_problem(require_simd: bool = False) -> Optional[str]:
     """None when the quantized-matmul kernel builds (or is built) on this machine, and, with
-    `require_simd`, has its AVX-512 path (the portable path was never measured against the dense
-    one); else what is missing."""
+    `require_simd`, has a SIMD path, AVX-512 or AVX2 (the portable path was never measured
+    against the dense one); else what is missing."""
     from engine.native_build import BuildFailed
 
     try:
@@ -151,7 +162,7 @@ def kernel_problem(require_simd: bool = False) -> Optional[str]:
     except BuildFailed as exc:
         return f"its C++ kernel, which did not build: {exc}"
     if require_simd and kernel.simd_paths == "portable":
-        return "a CPU with AVX-512 (F, BW, VL), FMA and F16C for its fast path"
+        return "a CPU with AVX2 (or AVX-512 F, BW, VL), FMA and F16C for a SIMD path"
     return None
 
 
