@@ -2,14 +2,14 @@
 headers: a build takes seconds), through the build helper every C++ build shares
 (`paged_kernels.cpp_build`), and wraps them for tensors: `QuantKernel`
 (`engine/csrc/quant_matmul.cpp`, float activations) and `Int8Kernel`
-(`engine/csrc/int8_matmul.cpp`, int8 activations, AVX-512 VNNI) and `TiledKernel`
+(`engine/csrc/int8_matmul.cpp`, int8 activations, AVX-512 VNNI or AVX2) and `TiledKernel`
 (`engine/csrc/tiled_matmul.cpp`, bfloat16 activations on tiles of the file's weights, AVX-512 BF16).
 
 SIMD tiers (`TIERS`, `INT8_TIERS`): the quantized matmul's AVX-512 path (F/BW/VL, FMA, F16C), with
 the bf16 dot-product path on top when the CPU has AVX-512 BF16, else its AVX2 path (AVX2, FMA,
-F16C); the int8 kernel's AVX-512 VNNI
-path (which also needs BF16, FMA and F16C); the tiled bf16 kernel's AVX-512 BF16 path
-(`TILED_TIERS`). Elsewhere the portable C++ path is compiled.
+F16C); the int8 kernel's AVX-512 VNNI path (which also needs BF16, FMA and F16C), else its AVX2
+path (with FMA and F16C); the tiled bf16 kernel's AVX-512 BF16 path (`TILED_TIERS`). Elsewhere
+the portable C++ path is compiled.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ TILED_SOURCE = Path(__file__).resolve().parent / "csrc" / "tiled_matmul.cpp"
 #: bfloat16 dot-product path for bf16 activations (Zen 4, Sapphire Rapids) where the CPU has it,
 #: and its AVX2 path (Zen 2/3, Haswell and later) below them.
 TIERS = ("avx512 + fma + f16c + bf16", "avx512 + fma + f16c", "avx2 + fma + f16c")
-#: The int8 kernel's SIMD path: VNNI dot products, bf16 output conversion, f16 scales.
-INT8_TIERS = ("avx512 + vnni + bf16 + fma + f16c",)
+#: The int8 kernel's SIMD paths: VNNI dot products, bf16 output conversion, f16 scales; else
+#: AVX2's u8 x s8 pair products (vpmaddubsw) on the same packed layout, with the same bits.
+INT8_TIERS = ("avx512 + vnni + bf16 + fma + f16c", "avx2 + fma + f16c")
 #: The tiled bf16 kernel's SIMD path: vdpbf16ps, nibble table lookups (BW), f16 scales.
 TILED_TIERS = ("avx512 + bf16 + fma + f16c",)
 #: The kernel's codes for the block formats.
@@ -116,8 +117,8 @@ class _PackingKernel:
 
 
 class Int8Kernel(_PackingKernel):
-    """The compiled int8 kernel (simd_paths "avx512-vnni" or "portable"), called with tensors
-    (engine/model/quant_int8.py checks inputs). Every call releases the GIL (ctypes)."""
+    """The compiled int8 kernel (simd_paths "avx512-vnni", "avx2" or "portable"), called with
+    tensors (engine/model/quant_int8.py checks inputs). Every call releases the GIL (ctypes)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         super().__init__(library, "int8")

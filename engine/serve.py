@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", help="paged_kernels attention backend")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_MODES,
                    help="gguf: batches of few tokens multiply by the GGUF file's own Q4_1/Q8_0 "
-                        "blocks (docs/quant.md); none: dense weights only; auto (default): gguf "
-                        "where it applies")
+                        "blocks (docs/quant.md); gguf-int8: every matmul on those blocks with "
+                        "int8 activations (llama.cpp's CPU scheme; AVX-512 VNNI or AVX2 path); "
+                        "none: dense weights only; auto (default): gguf where it applies")
     p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=_positive, default=None,

@@ -17,7 +17,7 @@ import torch
 from engine.model.quant import GGUFBlocks, QuantizedWeight
 from engine.model.quant_int8 import Int8Weight, int8_linear, pack_int8
 from engine.native_build import INT8_TIERS, load_int8
-from paged_kernels.cpp_build import compile_flags
+from paged_kernels.cpp_build import compile_flags, cpu_flags
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402  (after the skip)
@@ -26,10 +26,24 @@ from test_quant import padded_blocks, padded_x, random_blocks  # noqa: E402
 U32 = 2.0 ** -24
 
 
+#: The CPU features of the AVX2 tier (INT8_TIERS' narrower one).
+AVX2 = frozenset({"avx2", "fma", "f16c"})
+
+
 @pytest.fixture(scope="module")
 def portable():
     """The portable (non-SIMD) build: a second build (seconds, once per machine)."""
     return load_int8(compile_flags(INT8_TIERS, frozenset()))
+
+
+@pytest.fixture(scope="module")
+def avx2():
+    """The AVX2 build (the path of CPUs without AVX-512 VNNI), compiled with those flags
+    whatever this CPU's widest tier is; skipped where the CPU cannot run it."""
+    if not AVX2 <= cpu_flags():
+        pytest.skip(f"the AVX2 build needs a CPU with {sorted(AVX2)}; this one lacks "
+                    f"{sorted(AVX2 - cpu_flags())}")
+    return load_int8(compile_flags(INT8_TIERS, AVX2))
 
 
 def quantize_oracle(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -109,9 +123,110 @@ def test_portable_build_matches_oracle_and_simd_bit_for_bit(portable, qtype, dty
         assert torch.equal(y, int8_linear(x, fast))
 
 
-@pytest.mark.parametrize("build", ["simd", "portable"])
-def test_activation_quantization_is_the_stated_float32_arithmetic(portable, build):
-    kernel = portable if build == "portable" else load_int8()
+def linear_at(threads: int, x: torch.Tensor, weight: Int8Weight, kernel=None) -> torch.Tensor:
+    """`int8_linear` on `threads` torch threads (restored after)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return int8_linear(x, weight, kernel=kernel)
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_avx2(avx2, portable, raw: np.ndarray, qtype: str, xs: list[torch.Tensor]) -> None:
+    """The AVX2 build against the oracle, bit for bit against the portable build and this
+    machine's default build (AVX-512 VNNI where the CPU has it), at 1 and 2 threads."""
+    assert avx2.simd_paths == "avx2" and portable.simd_paths == "portable"
+    blocks = padded_blocks(raw, qtype, raw.shape[1] // (20 if qtype == "Q4_1" else 34) * 32)
+    weight = pack_int8(blocks, kernel=avx2)
+    assert torch.equal(weight.packed, pack_int8(blocks, kernel=portable).packed)
+    for x in xs:
+        want = int8_linear(padded_x(x), weight, kernel=portable)
+        check(want, x, raw, qtype)
+        assert torch.equal(want, int8_linear(x, weight))  # the default build: same layout
+        for threads in (1, 2):
+            assert torch.equal(linear_at(threads, padded_x(x), weight, kernel=avx2), want)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_avx2_build_matches_oracle_and_portable_bit_for_bit(avx2, portable, qtype, dtype):
+    """Random blocks, N not a multiple of 16, M across the 16-row groups (one row, a partial
+    group, one group, a group and a remainder, more than the 128-row chunk)."""
+    rng = np.random.default_rng(21)
+    raw = random_blocks(rng, qtype, 53, 160)
+    xs = []
+    for m in (1, 2, 15, 16, 17, 33, 130):
+        x = torch.from_numpy(rng.normal(0.0, 1.0, (m, 160)) * rng.lognormal(0, 1, (1, 160)))
+        x[0, :32] = 0.0  # an all-zero block: scale 0
+        xs.append(x.to(dtype))
+    check_avx2(avx2, portable, raw, qtype, xs)
+
+
+def extreme_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int) -> np.ndarray:
+    """Blocks whose codes sit at the ends of their range, where a saturating int16 sum would
+    show, in turn by row: Q8_0 all q = 0 (file value -128), all q = 255 (127), q alternately
+    255 and 0, random; Q4_1 all nibbles 15, k < 16 at 0 and k >= 16 at 15, random. Scales are
+    normal float16 values, so no product hides behind a zero or subnormal scale."""
+    raw = random_blocks(rng, qtype, rows, cols).reshape(rows, cols // 32, -1)
+    raw[..., 0:2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    codes = raw[..., 2:] if qtype == "Q8_0" else raw[..., 4:]
+    ends = ([[0x80], [0x7F], [0x7F, 0x80], None] if qtype == "Q8_0"
+            else [[0xFF], [0xF0], None])
+    for r in range(rows):
+        end = ends[r % len(ends)]
+        if end is not None:
+            codes[r] = np.resize(np.array(end, dtype=np.uint8), codes.shape[-1])
+    return raw.reshape(rows, -1)
+
+
+def extreme_x(m: int, cols: int) -> torch.Tensor:
+    """Rows whose blocks quantize to all +127, all -127, alternating +-127, and random values:
+    per block the largest products of a pair (2 * 15 * 127 with nibbles, 2 * 255 * 127 with
+    Q8_0 codes) and of the 8 groups summed (8 * 2 * 15 * 127 = 30480, just inside int16)."""
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+    pattern = torch.tensor([1.0, -1.0] * 16)
+    for r in range(m):
+        for b in range(cols // 32):
+            kind = (r + b) % 4
+            if kind < 3:
+                x[r, 32 * b:32 * b + 32] = 0.75 * (pattern if kind == 2 else 1 - 2 * kind)
+    return x
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_avx2_build_is_exact_at_the_extreme_codes(avx2, portable, qtype, dtype):
+    """vpmaddubsw saturates its int16 pair sums: every block here reaches the largest sums the
+    AVX2 path forms, and the result must still be the oracle's and the portable build's."""
+    raw = extreme_blocks(np.random.default_rng(4), qtype, 37, 192)
+    check_avx2(avx2, portable, raw, qtype, [extreme_x(m, 192).to(dtype) for m in (1, 16, 19)])
+
+
+def test_avx2_bf16_output_rounds_half_to_even(avx2, portable):
+    """Outputs that are exact odd integers in [257, 381]: halfway between two bfloat16 values,
+    so they must round to the even one as torch does (257 -> 256, 259 -> 260). With x = (127,
+    1, 0, ...) the scale is 1 and xq = x; Q8_0 codes (2, y - 254, 0, ...) with d = 1, m = -128
+    make every float32 operation exact and y = 2 * 127 + (y - 254)."""
+    ys = np.arange(257, 383, 2)
+    raw = np.zeros((len(ys), 34), dtype=np.uint8)
+    raw[:, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    raw[:, 2] = 2
+    raw[:, 3] = (ys - 254).astype(np.int8).view(np.uint8)
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    x[0, :2] = torch.tensor([127.0, 1.0])
+    exact = torch.from_numpy(ys.astype(np.float32))[None]
+    want = exact.to(torch.bfloat16)
+    assert want[0, 0] == 256 and want[0, 1] == 260  # ties, to even
+    for kernel in (avx2, portable, None):
+        weight = pack_int8(GGUFBlocks("Q8_0", torch.from_numpy(raw), 32), kernel=kernel)
+        assert torch.equal(int8_linear(x.float(), weight, kernel=kernel), exact)
+        assert torch.equal(int8_linear(x, weight, kernel=kernel), want)
+
+
+@pytest.mark.parametrize("build", ["simd", "avx2", "portable"])
+def test_activation_quantization_is_the_stated_float32_arithmetic(request, build):
+    kernel = load_int8() if build == "simd" else request.getfixturevalue(build)
     rng = np.random.default_rng(5)
     x = rng.normal(0.0, 1.0, (7, 96)) * rng.lognormal(0, 2, (1, 96))
     x[2, 32:64] = 0.0

@@ -1,9 +1,10 @@
 // Integer matmul on the CPU for GGUF weights: y[M, N] = x[M, K] @ W[N, K]^T, with x quantized to
 // int8 per block of 32 (llama.cpp's Q8 scheme for activations) and W repacked from the file's
 // Q4_1 / Q8_0 blocks into tiles for AVX-512 VNNI (vpdpbusd: 64 u8 x s8 products per instruction,
-// twice the multiply rate of the bf16 dot product on Zen 4). A plain shared library (no torch
-// headers), built at first use by engine/native_build.py, called through ctypes by
-// engine/model/quant_int8.py.
+// twice the multiply rate of the bf16 dot product on Zen 4). CPUs without it but with AVX2, FMA
+// and F16C run an AVX2 path on the same tiles (vpmaddubsw pair products, exact: see there), others
+// a portable one; all three give the same bits. A plain shared library (no torch headers), built
+// at first use by engine/native_build.py, called through ctypes by engine/model/quant_int8.py.
 //
 // Arithmetic (every weight is the file's own; only x is approximated):
 //   weight (n, k) = d[n, b] * q[n, k] + m[n, b], b = k / 32, q unsigned (u8);
@@ -51,6 +52,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512BF16__) && defined(__F16C__)
 #define I8_SIMD 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define I8_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -173,6 +177,50 @@ inline void quantize_block_simd(const void* x, bool bf16, int64_t off, int8_t* q
 }
 #endif
 
+#if defined(I8_AVX2)
+// The same operations on 8 lanes at a time (max of |x|, 127 / amax, x * inv rounded half to even,
+// clamped to +-127); the int32 -> int8 packs saturate (a no-op after the clamp) and interleave
+// 128-bit lanes, which the dword permutation undoes.
+inline void quantize_block_simd(const void* x, bool bf16, int64_t off, int8_t* q, float* d,
+                                float* s) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) {
+    if (bf16) {
+      const __m128i h = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + off + 8 * i));
+      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      v[i] = _mm256_loadu_ps(static_cast<const float*>(x) + off + 8 * i);
+    }
+  }
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 mx = _mm256_max_ps(
+      _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+      _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256i lim = _mm256_set1_epi32(127), neg = _mm256_set1_epi32(-127);
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i)
+    qi[i] = _mm256_max_epi32(
+        _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv)), lim), neg);
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                           _mm256_packs_epi32(qi[2], qi[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
+  const __m256i sum8 =
+      _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+  sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+  sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+  *d = amax / 127.f;
+  *s = *d * static_cast<float>(_mm_cvtsi128_si32(sum4));
+}
+#endif
+
 // --- the tile kernel ---------------------------------------------------------------------------------
 
 struct Problem {
@@ -292,7 +340,108 @@ void tile_simd(const Problem& p, int64_t t, int64_t m0) {
     else _mm256_mask_storeu_epi16(p.yb + o, mask, (__m256i)_mm512_cvtneps_pbh(acc[i]));
   }
 }
+#endif
 
+#if defined(I8_AVX2)
+// AVX2 has no u8 x s8 dot product into int32. vpmaddubsw multiplies u8 by s8 and adds the products
+// in pairs into int16, saturating; vpmaddwd by ones adds int16 pairs into int32. Exact while no
+// int16 sum leaves [-32768, 32767]: nibbles (0..15) times |xq| <= 127 make pairs of at most
+// 2 * 15 * 127 = 3810 in magnitude, and the pairs of a tile-block's 8 groups at most 30480, so
+// the 8 groups add up in int16 and reach int32 with one vpmaddwd. Q8_0's codes (0..255) would
+// saturate (2 * 255 * 127), so they are split into nibbles, q = 16 hi + lo: two such sums, the
+// high one weighted by 16 in its vpmaddwd. Either way the int32 sums are vpdpbusd's, exactly.
+// One 64-byte group vector is two 32-byte halves: features 0-7 and 8-15 (8 lanes of a ymm).
+
+// The nibble vectors of half h of a tile-block: Q4_1 w[g] for group g; Q8_0 w[g] the low
+// nibbles of group g and w[8 + g] its high ones.
+template <int QTYPE>
+inline void unpack_half(const uint8_t* blk, int h, __m256i* w) {
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int v = 0; v < (QTYPE == 0 ? 4 : 8); ++v) {
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * v + 32 * h));
+    w[v] = _mm256_and_si256(p, low);
+    w[v + (QTYPE == 0 ? 4 : 8)] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+  }
+}
+
+// Per int16 lane, the sum over the 8 groups of (w[g] . the row's group g) for the two k of the
+// lane's pair: |sum| <= 30480 (above), so the int16 adds are exact.
+inline __m256i nibble_pair_sums(const __m256i* w, const int32_t* xr) {
+  __m256i s = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
+  for (int g = 1; g < 8; ++g)
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(xr[g])));
+  return s;
+}
+
+// The int32 block sums sum_k q xq of 8 features for one row.
+template <int QTYPE>
+inline __m256i block_sums(const __m256i* w, const int32_t* xr) {
+  const __m256i s = _mm256_madd_epi16(nibble_pair_sums(w, xr), _mm256_set1_epi16(1));
+  if (QTYPE == 0) return s;
+  const __m256i high = _mm256_madd_epi16(nibble_pair_sums(w + 8, xr), _mm256_set1_epi16(16));
+  return _mm256_add_epi32(s, high);
+}
+
+// f32_to_bf16 on 8 lanes: round to nearest even, NaN -> 0x7FC0.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i r = _mm256_blendv_epi8(_mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16),
+                                       _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));  // <= 0xFFFF
+}
+
+// Rows m0..m0+MT of tile t, one half (8 features) of each tile-block at a time: the half's nibble
+// vectors are unpacked once and meet every row; then y += d xd sum + m xs as on the other paths.
+// The 2 MT accumulators outgrow the 16 ymm registers and partly live in L1; groups of 16 rows
+// still measured faster at 16 decode rows than groups of 2, 4 or 8 (unpacking shared by more rows).
+template <int QTYPE, int MT>
+void tile_simd(const Problem& p, int64_t t, int64_t m0) {
+  constexpr int64_t TB = QTYPE == 0 ? Q4_TB : Q8_TB;
+  __m256 acc[MT][2];
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const uint8_t* base = p.w + t * p.nb * TB;
+  for (int64_t b = 0; b < p.nb; ++b) {
+    const uint8_t* blk = base + b * TB;
+    const int32_t* xb = reinterpret_cast<const int32_t*>(p.xq + (b * p.M + m0) * QK);
+    const float* xd = p.xd + b * p.M + m0;
+    const float* xs = p.xs + b * p.M + m0;
+    for (int h = 0; h < 2; ++h) {
+      __m256i w[QTYPE == 0 ? 8 : 16];
+      unpack_half<QTYPE>(blk, h, w);
+      const __m256 d = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + TB - SCALE_BYTES + 16 * h)));
+      const __m256 m = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + TB - SCALE_BYTES / 2 + 16 * h)));
+      for (int i = 0; i < MT; ++i) {
+        const __m256i s = block_sums<QTYPE>(w, xb + i * (QK / 4));
+        const __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(xd[i]));
+        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[i][h]);
+        acc[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i]), acc[i][h]);
+      }
+    }
+  }
+  const int64_t n0 = t * TILE, valid = std::min<int64_t>(TILE, p.N - n0);
+  for (int i = 0; i < MT; ++i) {
+    const int64_t o = (m0 + i) * p.N + n0;
+    if (p.y != nullptr) {
+      alignas(32) float out[TILE];
+      _mm256_store_ps(out, acc[i][0]);
+      _mm256_store_ps(out + 8, acc[i][1]);
+      std::memcpy(p.y + o, out, valid * sizeof(float));
+    } else {
+      alignas(32) uint16_t out[TILE];
+      _mm_store_si128(reinterpret_cast<__m128i*>(out), to_bf16(acc[i][0]));
+      _mm_store_si128(reinterpret_cast<__m128i*>(out + 8), to_bf16(acc[i][1]));
+      std::memcpy(p.yb + o, out, valid * sizeof(uint16_t));
+    }
+  }
+}
+#endif
+
+#if defined(I8_SIMD) || defined(I8_AVX2)
 template <int QTYPE>
 void tile_rows(const Problem& p, int64_t t, int64_t m0, int64_t mt) {
   switch (mt) {
@@ -306,7 +455,7 @@ void tile_rows(const Problem& p, int64_t t, int64_t m0, int64_t mt) {
 #endif
 
 void tile_group(const Problem& p, int64_t t, int64_t m0, int64_t mt) {
-#if defined(I8_SIMD)
+#if defined(I8_SIMD) || defined(I8_AVX2)
   if (p.qtype == 0) tile_rows<0>(p, t, m0, mt);
   else tile_rows<1>(p, t, m0, mt);
 #else
@@ -319,7 +468,7 @@ int64_t num_tiles(int64_t N) { return (N + TILE - 1) / TILE; }
 void quantize_one(const void* x, bool bf16, int64_t M, int64_t nb, int64_t i, int8_t* xq,
                   float* xd, float* xs) {
   const int64_t r = i / nb, b = i % nb, o = b * M + r;  // read row-major, write block-major
-#if defined(I8_SIMD)
+#if defined(I8_SIMD) || defined(I8_AVX2)
   quantize_block_simd(x, bf16, i * QK, xq + o * QK, xd + o, xs + o);
 #else
   quantize_block_scalar(x, bf16, i * QK, xq + o * QK, xd + o, xs + o);
@@ -404,10 +553,12 @@ int int8_linear(const void* x, int x_bf16, const uint8_t* packed, int qtype, voi
   return 0;
 }
 
-// "avx512-vnni" or "portable".
+// "avx512-vnni", "avx2" or "portable".
 const char* int8_simd_paths() {
 #if defined(I8_SIMD)
   return "avx512-vnni";
+#elif defined(I8_AVX2)
+  return "avx2";
 #else
   return "portable";
 #endif

@@ -76,7 +76,8 @@ def load_model(model: Optional[str] = None, dtype: torch.dtype = torch.float32,
     `quantization` (docs/quant.md): "gguf" also keeps a GGUF file's Q4_1/Q8_0 blocks and
     multiplies small batches by them (CPU, float32 or bfloat16 only); "gguf-int8" multiplies
     every batch by them with activations quantized to int8 (llama.cpp's CPU scheme: faster,
-    approximate activations; same requirements); "none" (or None) keeps
+    approximate activations; same requirements; an AVX-512 VNNI or AVX2 kernel path where the
+    CPU has one, else a portable one); "none" (or None) keeps
     dense weights only; "auto" is "gguf" where that applies (a GGUF model on the CPU in float32
     or bfloat16 whose kernel builds with a SIMD path, AVX-512 or AVX2) and "none" elsewhere.
     FileNotFoundError when nothing is at `model`; ValueError when it is not a model of a

@@ -4,7 +4,8 @@ The projection weights keep the file's Q4_1 / Q8_0 values exactly, repacked once
 tiles of 16 output features (`Int8Weight`); every matmul quantizes its activations to int8 per
 block of 32 (scale = absmax / 127, round half to even) and sums the products in int32 with AVX-512
 VNNI (`vpdpbusd`, 64 products per instruction: twice the multiply rate of the bfloat16 dot product
-on Zen 4, and a quarter of bfloat16's weight bytes for Q4_1). Only the activations are
+on Zen 4, and a quarter of bfloat16's weight bytes for Q4_1), or on CPUs with AVX2 (FMA, F16C) but
+no VNNI with AVX2's `vpmaddubsw`, with the same result bit for bit. Only the activations are
 approximated: a relative error of up to 1/254 of each block's largest value per element, as in
 llama.cpp. `engine/csrc/int8_matmul.cpp` states the arithmetic and the packed layout exactly;
 docs/quant.md has the measurements.
@@ -71,7 +72,8 @@ _KERNEL: LazyKernel["Int8Kernel"] = LazyKernel(_load)
 
 def int8_kernel_problem() -> Optional[str]:
     """None when the int8 kernel builds (or is built) on this machine, else what is missing.
-    A machine without AVX-512 VNNI gets the portable (slow) path, which is not a problem."""
+    A machine without AVX-512 VNNI gets the AVX2 path, and one without AVX2, FMA or F16C the
+    portable (slow) one, which is not a problem."""
     from engine.native_build import BuildFailed
 
     try:
