@@ -20,6 +20,8 @@ import openai
 import pytest
 from serve_process import ServerProcess
 
+from engine.dtypes import auto_dtype
+
 MAX_MODEL_LEN = 96
 BODY_LIMIT = 64 * 1024
 PROMPT = "The capital of France is"
@@ -110,7 +112,8 @@ def test_health_models_and_startup(server, http, model):
     body = http.get("/v1/models").json()
     assert body["object"] == "list" and body["data"][0]["max_model_len"] == MAX_MODEL_LEN
     assert model == "SmolLM2-135M-Instruct"
-    assert "KV blocks" in server.log_text() and "dtype bfloat16" in server.log_text()
+    dtype = str(auto_dtype("cpu")).removeprefix("torch.")  # --dtype auto on this CPU
+    assert "KV blocks" in server.log_text() and f"dtype {dtype}" in server.log_text()
 
 
 def test_completion_sync_openai(client, model, http):

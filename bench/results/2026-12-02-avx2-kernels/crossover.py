@@ -1,7 +1,10 @@
+# ruff: noqa: E402, E501, E701, B023  (kept as it ran: a one-off measurement script)
 """Ad-hoc crossover: quantized_linear (this machine's build) vs torch dense float32 (oneDNN-packed,
 as the model packs), per projection shape of the default model, 30 layers' weights cycled.
 Paths alternate per sweep; medians. argv: threads clock(cpu|wall) reps."""
-import statistics, sys, time
+import statistics
+import sys
+import time
 import torch
 sys.path.insert(0, ".")
 from bench.test_bench_quant import dense_linear, dense_weight
@@ -36,8 +39,10 @@ for name in sel:
     line = []
     for m in ms:
         x = torch.randn(m, cols).to(DT)
-        fq = lambda i: quantized_linear(x, blocks[i])
-        fd = lambda i: dense_linear(x, dense[i % len(dense)])
+        def fq(i):
+            return quantized_linear(x, blocks[i])
+        def fd(i):
+            return dense_linear(x, dense[i % len(dense)])
         t = {"q": [], "d": []}
         for f in (fq, fd):
             for i in range(len(blocks)): f(i)

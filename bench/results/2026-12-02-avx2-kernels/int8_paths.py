@@ -1,8 +1,12 @@
+# ruff: noqa: E402, E501, E701, B023  (kept as it ran: a one-off measurement script)
 """AVX2 int8 path vs portable build vs torch dense float32 on SmolLM2-135M shapes, 1 thread,
 calling thread's CPU time, variants interleaved; distinct weight copies cycled so weights come
 from memory (beyond L3) rather than cache."""
-import statistics, sys, time
-import numpy as np, torch
+import statistics
+import sys
+import time
+import numpy as np
+import torch
 sys.path[:0] = [".", "tests"]
 from engine.native_build import INT8_TIERS, load_int8
 from paged_kernels.cpp_build import compile_flags
