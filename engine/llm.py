@@ -24,8 +24,9 @@ class LLM:
     """A model with its paged KV cache, ready for offline batched generation.
 
     `model`: None (the default SmolLM2-135M-Instruct GGUF), a `.gguf` path, a Hugging Face
-    directory, or a `LoadedModel`. `dtype`: float32 or bfloat16, or a name of `engine.dtypes.DTYPE_NAMES` ("auto":
-    bfloat16 where the device multiplies it natively, else float32). The other arguments
+    directory, or a `LoadedModel`. `dtype`: float32 or bfloat16, or a name of
+    `engine.dtypes.DTYPE_NAMES` ("auto": bfloat16 where the device multiplies it natively,
+    else float32). The other arguments
     are `EngineConfig`'s (see there): the KV pool as `num_kv_blocks` or `kv_cache_memory_bytes`,
     the step budgets, prefix caching, the preemption mode, the attention backend and
     `quantization` ("auto", "gguf" or "none": whether small batches multiply by a GGUF file's

@@ -1,8 +1,9 @@
 """`python -m engine.serve`: an OpenAI-compatible HTTP server over one `LLMEngine`.
 
 With no arguments it serves the default model (SmolLM2-135M-Instruct) on 127.0.0.1:8000 in
-bfloat16 (float32 on a CPU without native bfloat16 instructions). The HTTP port opens at once; the model loads in the engine thread, and until it is
-ready `/health` and the API answer 503. See docs/serving.md for the endpoints and flags.
+bfloat16 (float32 on a CPU without native bfloat16 instructions). The HTTP port opens at once;
+the model loads in the engine thread, and until it is ready `/health` and the API answer 503.
+See docs/serving.md for the endpoints and flags.
 """
 
 from __future__ import annotations
