@@ -9,7 +9,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from bench.paper import figures, serving
 from bench.paper.__main__ import parse_args, run
@@ -18,6 +17,7 @@ from bench.paper.replay import Replay
 from bench.paper.step_model import StepSample, StepTimeModel
 from bench.paper.traces import DATASETS, TraceRequest, make_trace
 from engine.config import EngineConfig, KV_ALLOCATIONS
+from engine.dtypes import auto_dtype
 from engine.model.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(None, dtype=torch.bfloat16)
+    return load_model(None, dtype=auto_dtype())
 
 
 # ------------------------------------------------------------------ traces and step model

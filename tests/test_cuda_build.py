@@ -2,11 +2,12 @@
 
 `test_every_kernel_compiles_without_hot_spills` compiles every `cuda/csrc/*.cu` to cubins for
 sm_80 and sm_90 with `-Xptxas -v` and fails if a hot kernel (decode, varlen) spills to local
-memory. It compiles every instantiation, every head size included, because a spill can show at
-one head size only (a fully unrolled decode copy loop spills at head sizes 96, 112 and 192 and
-nowhere else); `PAGED_KERNELS_FULL_CUDA_CHECK=0` compiles the reduced set (head sizes 64 and 128:
-every dtype, GQA group tile, kernel and copy unit; about a third of the time, see
-bench/results/2026-11-30-cuda-compile-cpu). Skipped when nvcc is absent.
+memory. For sm_90 (the H200 this project runs on) it compiles every instantiation, every head
+size included, because a spill can show at one head size only (a fully unrolled decode copy loop
+spilled at head sizes 96, 112 and 192 and nowhere else, on both archs); for sm_80 the reduced
+set (head sizes 64 and 128: every dtype, GQA group tile, kernel and copy unit). The NVRTC check
+splits the same way. `PAGED_KERNELS_FULL_CUDA_CHECK=1` checks every head size on both archs,
+`=0` the reduced set on both (see `check_head_sizes`). Skipped when nvcc is absent.
 """
 
 from __future__ import annotations
@@ -36,11 +37,27 @@ def cubin_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cubins")
 
 
+ARCHS = ("80", "90")
+
+
+def check_head_sizes() -> dict[str, tuple[int, ...]]:
+    """Arch -> the head sizes the compile checks build for it: by default every head size for
+    sm_90 and 64 and 128 for sm_80; `PAGED_KERNELS_FULL_CUDA_CHECK=1` every head size for both,
+    `=0` 64 and 128 for both."""
+    mode = os.environ.get(FULL_ENV, "")
+    if mode not in ("", "0", "1"):
+        raise ValueError(f"{FULL_ENV}: expected 0, 1 or unset, got {mode!r}")
+    full_archs = {"": ("90",), "0": (), "1": ARCHS}[mode]
+    return {arch: params.HEAD_SIZES if arch in full_archs else params.REDUCED_HEAD_SIZES
+            for arch in ARCHS}
+
+
 @pytest.fixture(scope="module")
 def reports(cubin_dir) -> list[build.KernelReport]:
-    full = os.environ.get(FULL_ENV, "1") != "0"
+    reduced = [arch for arch, sizes in check_head_sizes().items()
+               if sizes == params.REDUCED_HEAD_SIZES]
     jobs = max(2, min(8, os.cpu_count() or 2))
-    return build.compile_cubins(cubin_dir, ("80", "90"), reduced=not full, jobs=jobs)
+    return build.compile_cubins(cubin_dir, ARCHS, reduced_archs=reduced, jobs=jobs)
 
 
 def _cuobjdump() -> str | None:
@@ -103,9 +120,15 @@ def test_every_kernel_compiles_without_hot_spills(reports) -> None:
 
 @needs_nvcc
 def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
-    full = os.environ.get(FULL_ENV, "1") != "0"
-    head_sizes = params.HEAD_SIZES if full else params.REDUCED_HEAD_SIZES
     compiled = {(r.arch, r.name.split("(")[0].replace("void ", "")) for r in reports}
+    for arch, head_sizes in check_head_sizes().items():
+        missing = sorted(n for n in _instantiations(head_sizes)
+                         if (f"sm_{arch}", n) not in compiled)
+        assert not missing, f"sm_{arch}: not compiled: {missing}"
+
+
+def _instantiations(head_sizes: tuple[int, ...]) -> set[str]:
+    """The kernels that every build at `head_sizes` must hold."""
     wanted = set()
     for ctype in params.CTYPES.values():
         wanted.add(f"pk_write_kv_quant_kernel<{ctype}>")
@@ -122,9 +145,19 @@ def test_every_planned_kernel_is_compiled_for_both_archs(reports) -> None:
     for d in head_sizes:  # 8-bit caches, every query dtype
         wanted.add(f"pk_varlen_simt_kernel<{params.KV8_CTYPE}, {d}>")
         wanted |= {f"pk_decode_kernel<{params.KV8_CTYPE}, {d}, {g}>" for g in planner.GROUP_TILES}
-    for arch in ("sm_80", "sm_90"):
-        missing = sorted(n for n in wanted if (arch, n) not in compiled)
-        assert not missing, f"{arch}: not compiled: {missing}"
+    return wanted
+
+
+def test_check_head_sizes_follow_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv(FULL_ENV, raising=False)
+    assert check_head_sizes() == {"80": params.REDUCED_HEAD_SIZES, "90": params.HEAD_SIZES}
+    monkeypatch.setenv(FULL_ENV, "1")
+    assert set(check_head_sizes().values()) == {params.HEAD_SIZES}
+    monkeypatch.setenv(FULL_ENV, "0")
+    assert set(check_head_sizes().values()) == {params.REDUCED_HEAD_SIZES}
+    monkeypatch.setenv(FULL_ENV, "yes")
+    with pytest.raises(ValueError, match=FULL_ENV):
+        check_head_sizes()
 
 
 def _problem(dtype, heads: tuple[int, int], q_lens, head_size: int = 128, block_size: int = 16,
@@ -330,12 +363,24 @@ def _nvrtc_compile(lib: ctypes.CDLL, include: str, header: str, names: list[str]
                     f"or set {NVRTC_ENV}) to check the run-time (NVRTC) path's sources")
 def test_jit_sources_compile_with_nvrtc(monkeypatch) -> None:
     """Every instantiation the planner can launch (defaults and every forced kernel choice, every
-    dtype and head size, decode and varlen; 8-bit caches at head sizes 64 and 128, and the
-    write_kv kernels) compiles with NVRTC for sm_80 and sm_90 from the header jit.JitModule
-    includes. Compile only: CuPy and a GPU are not needed."""
+    dtype and the head sizes of `check_head_sizes`, decode and varlen; 8-bit caches at head
+    sizes 64 and 128, and the write_kv kernels) compiles with NVRTC for sm_80 and sm_90 from
+    the header jit.JitModule includes. Compile only: CuPy and a GPU are not needed."""
+    lib, include = _nvrtc()
+    jobs = [(header, sorted(wanted), arch) for arch, head_sizes in check_head_sizes().items()
+            for header, wanted in _planned_names(monkeypatch, head_sizes).items()]
+    assert sum(len(names) for _, names, arch in jobs if arch == "90") > 70
+    # NVRTC runs outside the GIL (ctypes): one program per thread, on every core
+    with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
+        for done in [pool.submit(_nvrtc_compile, lib, include, *job) for job in jobs]:
+            done.result()
+
+
+def _planned_names(monkeypatch, head_sizes: tuple[int, ...]) -> dict[str, set[str]]:
+    """Header -> the kernel instantiations the planner launches at `head_sizes` (every forced
+    choice of FORCED), with the write_kv kernels."""
     import torch
 
-    lib, include = _nvrtc()
     names: dict[str, set[str]] = {"pk_cache.cuh": {"pk_write_kv_kernel<uint4>",
                                                    "pk_write_kv_quant_kernel<__nv_bfloat16>"}}
 
@@ -354,20 +399,16 @@ def test_jit_sources_compile_with_nvrtc(monkeypatch) -> None:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for d in params.HEAD_SIZES:
+            for d in head_sizes:
                 for q_lens in (None, [5, 1, 9]):
                     add_launches(_problem(dtype, (8, 2), q_lens, head_size=d))
     for d in params.REDUCED_HEAD_SIZES:
         for q_lens in (None, [5, 1, 9]):
             add_launches(_problem(torch.bfloat16, (8, 2), q_lens, head_size=d,
                                   cache_dtype=torch.float8_e4m3fn))
-    assert sum(len(n) for n in names.values()) > 70
-    # NVRTC runs outside the GIL (ctypes): one program per thread, on every core
-    jobs = [(header, sorted(wanted), arch) for arch in ("80", "90")
-            for header, wanted in names.items()]
-    with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-        for done in [pool.submit(_nvrtc_compile, lib, include, *job) for job in jobs]:
-            done.result()
+    for name in settings.PLAN_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    return names
 
 
 def test_ptxas_report_parser_reads_spills_and_registers() -> None:

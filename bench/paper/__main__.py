@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from engine.config import KV_ALLOCATIONS
+from engine.dtypes import resolve_dtype
 
 from bench.paper import figures, report, serving
 from bench.paper.step_model import (STEP_MODEL_FILE, StepTimeModel, load_step_model,
@@ -90,7 +91,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--rates", type=_rates, help="comma-separated requests/s of the sweep")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-model", type=Path, default=STEP_MODEL_FILE)
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="the real engine's model dtype; auto: bfloat16 on a CPU that multiplies "
+                         "it natively, float32 elsewhere (engine/dtypes.py)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the real engine")
     args = ap.parse_args(argv)
     if args.out is None and not args.fit:
@@ -121,7 +124,8 @@ def environment(args: argparse.Namespace) -> dict:
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "commit": commit,
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
             "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": args.threads, "dtype": args.dtype}
+            "torch_threads": args.threads,
+            "dtype": str(resolve_dtype(args.dtype)).removeprefix("torch.")}
 
 
 def fit(args: argparse.Namespace, settings: figures.Settings, loaded=None) -> StepTimeModel:

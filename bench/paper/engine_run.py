@@ -18,8 +18,8 @@ from collections import deque
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-import torch
 
+from engine.dtypes import resolve_dtype
 from engine.llm import LLM
 from engine.model.loader import LoadedModel, load_model
 from engine.sampling_params import BeamSearchParams, SamplingParams
@@ -128,9 +128,10 @@ def run_beam_search(llm: LLM, trace: list[TraceRequest], beam_width: int) -> Run
     return record
 
 
-def load(dtype: str = "bfloat16") -> LoadedModel:
-    """The engine's default model in `dtype` ("float32" or "bfloat16"), shared by the runs."""
-    return load_model(None, getattr(torch, dtype))
+def load(dtype: str = "auto") -> LoadedModel:
+    """The engine's default model in `dtype` (a name of engine.dtypes.DTYPE_NAMES: "auto",
+    "float32", "bfloat16", ...), shared by the runs."""
+    return load_model(None, resolve_dtype(dtype))
 
 
 def make_llm(policy: str, settings: "Settings", loaded: LoadedModel, reduced: bool = True

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,20 +153,23 @@ def _run(cmd: Sequence[str], what: str) -> str:
     return out
 
 
-def compile_cubins(out_dir: Path, archs: Sequence[str] = DEFAULT_ARCHS, *, reduced: bool = False,
-                   jobs: int = 2) -> list[KernelReport]:
+def compile_cubins(out_dir: Path, archs: Sequence[str] = DEFAULT_ARCHS, *,
+                   reduced_archs: Collection[str] = (), jobs: int = 2) -> list[KernelReport]:
     """Compiles every `.cu` to a cubin for each arch (in parallel) and returns ptxas's report.
-    `reduced` compiles head sizes 64 and 128 only (PK_REDUCED_HEAD_SIZES)."""
+    The archs in `reduced_archs` get head sizes 64 and 128 only (PK_REDUCED_HEAD_SIZES), the
+    others every head size."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    extra = ["-DPK_REDUCED_HEAD_SIZES"] if reduced else []
-    tasks = [(src, a) for a in archs for src in sources()]
+    # the full builds first, so that the pool ends on short ones
+    tasks = [(src, a) for a in sorted(archs, key=lambda a: a in reduced_archs)
+             for src in sources()]
 
     def one(task: tuple[Path, str]) -> str:
         src, arch = task
         cubin = out_dir / f"{src.stem}.sm{arch}.cubin"
+        extra = ["-DPK_REDUCED_HEAD_SIZES"] if arch in reduced_archs else []
         return _run([nvcc, *NVCC_FLAGS, *extra, f"-arch=sm_{arch}", "-cubin", str(src), "-o",
                      str(cubin)], f"nvcc {src.name} sm_{arch}")
 
