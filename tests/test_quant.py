@@ -146,26 +146,34 @@ def avx2():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("rows,cols", [(1, 32), (37, 96), (131, 576)])
 def test_avx2_build_matches_gguf_dequantisation(avx2, qtype, dtype, rows, cols):
-    """M across the 4-row passes, the 8-row register tile and every crossover."""
+    """M across the direct path's 4-row passes (1-4 rows) and the buffered path's 3-row tiles
+    (5 and more: M % 3 = 2, 0, 1 at 5, 6, 7; 16 and 25 split their last 4 rows in 2 + 2), past
+    every crossover; N odd (a last 1-feature group)."""
     assert avx2.simd_paths == "avx2"
     rng = np.random.default_rng(rows * 1000 + cols + 1)
     raw = random_blocks(rng, qtype, rows, cols)
     blocks = padded_blocks(raw, qtype, cols)
-    for m in sorted({1, 2, 3, 4, 5, 7, 8, 9, 12, 17, *CROSSOVERS, *(n + 1 for n in CROSSOVERS)}):
+    for m in sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, *CROSSOVERS,
+                     *(n + 1 for n in CROSSOVERS)}):
         x = torch.from_numpy(rng.normal(0.0, 1.0, (m, cols))).to(dtype)
         check(quantized_linear(padded_x(x), blocks, kernel=avx2), x, raw, qtype)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_avx2_rows_do_not_depend_on_the_batch(avx2, qtype):
-    """A row's bits are the same alone and in any row group (its sums' order is fixed)."""
+    """A row's bits are the same alone (the direct path) and in any row group, in every place
+    of the buffered path's row tiles (3 rows, or 2 + 2 for the last 4) and of its feature pairs
+    (N odd): its sums' order is fixed."""
     rng = np.random.default_rng(11)
     raw = random_blocks(rng, qtype, 21, 192)
     blocks = GGUFBlocks(qtype, torch.from_numpy(raw), 192)
-    x = torch.from_numpy(rng.normal(0.0, 1.0, (11, 192))).float()
-    batch = quantized_linear(x, blocks, kernel=avx2)
-    for i in range(x.shape[0]):
-        assert torch.equal(quantized_linear(x[i:i + 1], blocks, kernel=avx2)[0], batch[i])
+    x = torch.from_numpy(rng.normal(0.0, 1.0, (25, 192))).float()
+    alone = torch.cat([quantized_linear(x[i:i + 1], blocks, kernel=avx2)
+                       for i in range(x.shape[0])])
+    for group in (4, 5, 6, 7, 25):
+        for start in range(0, x.shape[0] - group + 1, 3):
+            got = quantized_linear(x[start:start + group], blocks, kernel=avx2)
+            assert torch.equal(got, alone[start:start + group]), (group, start)
 
 
 def test_float32_crossover_follows_the_kernel_path(portable, avx2):

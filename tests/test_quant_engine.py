@@ -3,7 +3,7 @@
 The oracle is transformers' own Llama loaded from the same GGUF file, with `generate(do_sample=
 False)`; it shares no code with the engine. Six prompts with different output lengths make the
 running batch shrink from 6 sequences to 1. With the default float32 crossover (8 rows on the
-kernel's AVX-512 path, 24 on AVX2: `float32_max_rows`) prefill runs on the dense weights and every
+kernel's AVX-512 path, 40 on AVX2: `float32_max_rows`) prefill runs on the dense weights and every
 decode step on the file's blocks; with the crossover lowered to 3, decode steps take both paths.
 A spy proves which ran. The KV cache is filled with NaN.
 """

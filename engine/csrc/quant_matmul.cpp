@@ -11,7 +11,8 @@
 //    rounded once: the value the `gguf` package computes) and multiplied with float32 activations
 //    (bfloat16 ones widened once per call, exactly). Used for Q8_0, for float32 x, and everywhere
 //    in the AVX-512 build without bf16, the AVX2 build (AVX2 + FMA + F16C: a block as four
-//    8-wide quarters, up to 4 rows per pass over a feature's blocks, see feature_avx2) and the
+//    8-wide quarters; up to 4 rows in one pass over a feature's blocks, see feature_avx2; more
+//    rows against features dequantised once into a per-thread buffer, see tile_buffered) and the
 //    portable build (plain C++).
 //  - bf16 dot (Q4_1 with bfloat16 x, AVX512_BF16): d * sum(x q) + m * sum(x), the 32 products
 //    x q formed exactly by vdpbf16ps (see q4_1_feature_bf16).
@@ -19,9 +20,12 @@
 // Work split: OpenMP over tiles of ROW_TILE output features (static schedule: every tile costs the
 // same). One thread owns its features for every row of x and walks each feature's blocks in memory
 // order (one sequential stream); a weight block is read once and used for up to M_TILE activation
-// rows held in registers (AVX2: in passes of AVX2_ROWS rows over the feature's blocks, which stay
-// in L1 between passes). M > M_TILE re-reads the weights once per group of M_TILE rows (the
-// caller keeps M small: engine/model/quant.py's crossover).
+// rows held in registers. M > M_TILE re-reads the weights once per group of M_TILE rows (AVX-512
+// and portable paths; the caller keeps M small: engine/model/quant.py's crossover). AVX2: up to
+// AVX2_ROWS rows, one pass over a feature's blocks; more rows, every row of x meets each pair of
+// features from the thread's buffer of their dequantised weights (2 x K floats, in L1), so each
+// weight is dequantised once per call. Both AVX2 ways sum a (row, feature) in the same order
+// (two accumulators, alternate 8-weight vectors), so a row's bits do not depend on M.
 // Bytes moved per call: N * K/32 * block bytes of weights, M * K activations, M * N outputs.
 //
 // Invariants relied on (checked by the caller, engine/model/quant.py): x is [M, K] contiguous with
@@ -60,6 +64,16 @@ constexpr int ROW_TILE = 16;  // output features per OpenMP work item
 // latency, four did not gain) and the fastest from two to eight rows.
 constexpr int AVX2_ACC = 2;
 constexpr int AVX2_ROWS = 4;
+// AVX2 with more than AVX2_ROWS rows: AVX2_TILE_FEATURES features are dequantised once into a
+// per-thread float32 buffer (L1-resident: 2 x K floats) and every row meets them from there, in a
+// register tile of AVX2_TILE_ROWS rows x AVX2_TILE_FEATURES features x AVX2_ACC accumulators
+// (12) + one weight vector per feature + one x vector = 15 ymm; per 8 weights 3 + 2 loads feed
+// 6 fmas. Measured on Zen 3 against 2 x 3, 2 x 2 and 4 x 1 tiles, against each accumulator's
+// chain in a pass of its own over K with 4 x 3, 3 x 3, 4 x 2 and 3 x 4 tiles (slower where x
+// is not in L1: K = 1536), and against groups of up to 16 features per buffer: the fastest at
+// 16 and 24 rows, about even with the 4-row passes from 5 to 8 rows.
+constexpr int AVX2_TILE_ROWS = 3;
+constexpr int AVX2_TILE_FEATURES = 2;
 #if defined(QM_BF16)
 constexpr bool BF16_DOT = true;  // this build has q4_1_feature_bf16
 #else
@@ -233,6 +247,81 @@ inline void feature_avx2(const Problem& p, int64_t n, int64_t m0) {
   }
   for (int i = 0; i < MT; ++i) store(p, m0 + i, n, reduce_add(acc[i]));
 }
+
+// Features n.. (FT of them) dequantised into w, feature f's K weights at w + f * K in block
+// order: the values feature_avx2 computes (F::Avx2 quarters).
+template <class F, int FT>
+inline void dequant_features(const Problem& p, int64_t n, float* w) {
+  for (int f = 0; f < FT; ++f) {
+    const uint8_t* row = p.w + (n + f) * p.row_bytes;
+    float* out = w + f * p.K;
+    for (int64_t b = 0; b < p.K / QK; ++b, out += QK) {
+      const typename F::Avx2 block(row + b * F::BYTES);
+      _mm256_store_ps(out, block.template quarter<0>());
+      _mm256_store_ps(out + 8, block.template quarter<1>());
+      _mm256_store_ps(out + 16, block.template quarter<2>());
+      _mm256_store_ps(out + 24, block.template quarter<3>());
+    }
+  }
+}
+
+// Rows m0.. (MT of them) x the FT dequantised features in w (32-byte aligned, as
+// dequant_features leaves them), stored as features n... Weights 8j..8j+7 go to accumulator
+// j % AVX2_ACC, in order of j, and the accumulators are added by reduce_add: feature_avx2's
+// order, so a row's bits are the same on both paths and do not depend on the tile shape.
+template <int MT, int FT>
+inline void tile_avx2(const Problem& p, const float* w, int64_t n, int64_t m0) {
+  static_assert(AVX2_ACC == 2, "the k loop steps over one vector per accumulator");
+  __m256 acc[MT][FT][AVX2_ACC];
+  for (int i = 0; i < MT; ++i)
+    for (int f = 0; f < FT; ++f)
+      for (int a = 0; a < AVX2_ACC; ++a) acc[i][f][a] = _mm256_setzero_ps();
+  const float* x = p.x + m0 * p.K;
+  for (int64_t k = 0; k < p.K; k += 8 * AVX2_ACC) {
+    for (int a = 0; a < AVX2_ACC; ++a) {
+      __m256 wv[FT];
+      for (int f = 0; f < FT; ++f) wv[f] = _mm256_load_ps(w + f * p.K + k + 8 * a);
+      for (int i = 0; i < MT; ++i) {
+        // The empty asm pins xv to a register: GCC would otherwise fold the load into each of
+        // the FT fmas (8 loads per 6 fmas instead of 5; measured slower).
+        __m256 xv = _mm256_loadu_ps(x + i * p.K + k + 8 * a);
+        asm("" : "+x"(xv));
+        for (int f = 0; f < FT; ++f) acc[i][f][a] = _mm256_fmadd_ps(wv[f], xv, acc[i][f][a]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int f = 0; f < FT; ++f) store(p, m0 + i, n + f, reduce_add(acc[i][f]));
+}
+
+// Every row of x (M > AVX2_ROWS) x the FT features n.. (dequantised into w), in tiles of 3
+// rows; a remainder of one row goes with the last full tile as two tiles of 2 (a 1-row tile has
+// a third of the fmas per load).
+template <class F, int FT>
+void features_avx2(const Problem& p, int64_t n, float* w) {
+  static_assert(AVX2_TILE_ROWS == 3, "the remainders below are those of 3-row tiles");
+  dequant_features<F, FT>(p, n, w);
+  const int64_t rest = p.M % 3, full = p.M / 3 - (rest == 1);
+  int64_t m0 = 0;
+  for (int64_t t = 0; t < full; ++t, m0 += 3) tile_avx2<3, FT>(p, w, n, m0);
+  for (; m0 < p.M; m0 += 2) tile_avx2<2, FT>(p, w, n, m0);
+}
+
+// Features [n0, n1) x every row of x, the weights dequantised once into w (the thread's
+// AVX2_TILE_FEATURES x K buffer).
+template <class F>
+void tile_buffered(const Problem& p, int64_t n0, int64_t n1, float* w) {
+  constexpr int FT = AVX2_TILE_FEATURES;
+  static_assert(FT <= 4, "the remainder switch covers up to 3 features");
+  int64_t n = n0;
+  for (; n + FT <= n1; n += FT) features_avx2<F, FT>(p, n, w);
+  switch (n1 - n) {
+    case 1: features_avx2<F, 1>(p, n, w); break;
+    case 2: features_avx2<F, (FT > 2 ? 2 : 1)>(p, n, w); break;
+    case 3: features_avx2<F, (FT > 3 ? 3 : 1)>(p, n, w); break;
+    default: break;
+  }
+}
 #endif
 
 #if defined(QM_BF16)
@@ -319,8 +408,31 @@ void tile_rows(const Problem& p, int64_t n0, int64_t n1, int64_t m0) {
 #endif
 }
 
+// A thread's scratch: the AVX2 path's dequantised features when it runs buffered (M >
+// AVX2_ROWS), else nothing.
+struct Scratch {
+#if defined(QM_AVX2)
+  struct alignas(32) Vector { float v[8]; };  // C++17 new honours the alignment
+  std::vector<Vector> w;
+  explicit Scratch(const Problem& p) {
+    if (p.M > AVX2_ROWS) w.resize(AVX2_TILE_FEATURES * p.K / 8);
+  }
+  float* buffer() { return w.empty() ? nullptr : w.data()->v; }
+#else
+  explicit Scratch(const Problem&) {}
+  float* buffer() { return nullptr; }
+#endif
+};
+
 template <class F>
-void tile(const Problem& p, int64_t n0, int64_t n1) {
+void tile(const Problem& p, int64_t n0, int64_t n1, Scratch& scratch) {
+#if defined(QM_AVX2)
+  if (p.M > AVX2_ROWS) {
+    tile_buffered<F>(p, n0, n1, scratch.buffer());
+    return;
+  }
+#endif
+  (void)scratch;
   for (int64_t m0 = 0; m0 < p.M; m0 += M_TILE) {
     switch (std::min<int64_t>(M_TILE, p.M - m0)) {
       case 1: tile_rows<F, 1>(p, n0, n1, m0); break;
@@ -339,9 +451,13 @@ template <class F>
 void run(const Problem& p, int64_t threads) {
   const int64_t tiles = (p.N + ROW_TILE - 1) / ROW_TILE;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min(threads, tiles)));
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t t = 0; t < tiles; ++t)
-    tile<F>(p, t * ROW_TILE, std::min(p.N, (t + 1) * ROW_TILE));
+#pragma omp parallel num_threads(nthreads)
+  {
+    Scratch scratch(p);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t)
+      tile<F>(p, t * ROW_TILE, std::min(p.N, (t + 1) * ROW_TILE), scratch);
+  }
 }
 
 }  // namespace

@@ -53,8 +53,9 @@ __all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "FLOAT32_MAX_ROWS", "TILED_BF16_MAX_
 MAX_ROWS = {torch.bfloat16: 48, torch.float32: 8}
 #: Per kernel path (`QuantKernel.simd_paths`), its float32 crossover where it differs from
 #: `MAX_ROWS[float32]`: the AVX2 path, measured on a 2-core Zen 3, against oneDNN's float32 matmul
-#: without AVX-512 (docs/quant.md).
-FLOAT32_MAX_ROWS = {"avx2": 24}
+#: without AVX-512 (docs/quant.md: the Q8_0 head about even at 40 to 48 rows, the Q4_1
+#: projections ahead at 48).
+FLOAT32_MAX_ROWS = {"avx2": 40}
 #: Per GGUF format, the tiled bfloat16 path's crossover where it is below `MAX_ROWS[bfloat16]`:
 #: Q8_0 costs more to unpack than Q4_1, and its one matrix here, the output head (49152 rows),
 #: is where oneDNN's dense kernel is at its most efficient.
