@@ -6,7 +6,8 @@
 // 256 or 64 positions (no dense copy); each chunk does scores -> soft cap -> ALiBi -> mask, then
 // one online-softmax step (running max m, running sum l, accumulator acc rescaled by
 // exp(m_old - m_new)), all in float32. Keys at positions >= seq_len and block-table entries past
-// ceil(seq_len / block_size) are never touched.
+// ceil(seq_len / block_size) are never touched. Each OpenMP thread keeps its Scratch from call to
+// call (thread_scratch), so a call allocates nothing.
 #pragma once
 
 #include <torch/extension.h>
