@@ -6,7 +6,8 @@
 // 256 or 64 positions (no dense copy); each chunk does scores -> soft cap -> ALiBi -> mask, then
 // one online-softmax step (running max m, running sum l, accumulator acc rescaled by
 // exp(m_old - m_new)), all in float32. Keys at positions >= seq_len and block-table entries past
-// ceil(seq_len / block_size) are never touched.
+// ceil(seq_len / block_size) are never touched. Each OpenMP thread keeps its Scratch from call to
+// call (thread_scratch), so a call allocates nothing.
 #pragma once
 
 #include <torch/extension.h>
@@ -17,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <type_traits>
 #include <vector>
@@ -72,6 +74,22 @@ struct Scratch {
         vfp(WIDENED_CHUNK), staged(is_8bit_cache<C>() ? UNIT_KEYS * d : 0),
         sp(is_8bit_cache<C>() ? KEY_CHUNK : 0) {}
 };
+
+// This thread's Scratch, reused from call to call (no allocation per call: OpenMP's threads
+// persist), rebuilt only when a call needs more rows, a larger head size or more KV heads than it
+// holds. Every item initialises what it reads of it, so a larger one serves any smaller call.
+template <typename T, typename C>
+Scratch<T, C>& thread_scratch(int rows, int d, int heads) {
+  thread_local std::unique_ptr<Scratch<T, C>> sc;
+  thread_local int max_rows = 0, max_d = 0, max_heads = 0;
+  if (!sc || rows > max_rows || d > max_d || heads > max_heads) {
+    max_rows = std::max(rows, max_rows);
+    max_d = std::max(d, max_d);
+    max_heads = std::max(heads, max_heads);
+    sc = std::make_unique<Scratch<T, C>>(max_rows, max_d, max_heads);
+  }
+  return *sc;
+}
 
 // T: the query's (and output's) type; C: the caches' element type, T itself or an 8-bit code type
 // (simd.h) whose values the per-KV-head scales multiply: the key scale is folded into the query
@@ -152,27 +170,24 @@ class ItemKernel {
     if (hi < lo) hi = lo;
   }
 
-  // Row pointers of K and V for positions [c0, c0 + n), walking the block table (no division per
-  // key): kp[hh * KEY_CHUNK + jj] for KV head kv_head + hh. Block ids were validated by
-  // contents_valid.
+  // Row pointers of K and V for positions [c0, c0 + n), walking the block table one block's run
+  // of keys at a time (no division per key): kp[hh * KEY_CHUNK + jj] for KV head kv_head + hh.
+  // Block ids were validated by contents_valid.
   void locate(int64_t c0, int n) {
     const C** kp = sc_.kp.data();
     const C** vp = sc_.vp.data();
-    int64_t b = c0 / p_.block_size, off = c0 % p_.block_size;
-    const int32_t* table = p_.block_tables + it_.seq * p_.max_blocks;
-    for (int jj = 0; jj < n; ++jj) {
-      int64_t id = table[b];
-      const C* k = k_ + id * p_.k_s0 + it_.kv_head * p_.k_s1 + off * p_.k_s2;
-      const C* v = v_ + id * p_.v_s0 + it_.kv_head * p_.v_s1 + off * p_.v_s2;
+    for_block_runs(c0, c0 + n, [&](int jj, int run, const C* k, const C* v) {
       for (int hh = 0; hh < nh_; ++hh) {
-        kp[hh * KEY_CHUNK + jj] = k + hh * p_.k_s1;
-        vp[hh * KEY_CHUNK + jj] = v + hh * p_.v_s1;
+        const C* kh = k + hh * p_.k_s1;
+        const C* vh = v + hh * p_.v_s1;
+        const C** kd = kp + hh * KEY_CHUNK + jj;
+        const C** vd = vp + hh * KEY_CHUNK + jj;
+        for (int t = 0; t < run; ++t) {
+          kd[t] = kh + t * p_.k_s2;
+          vd[t] = vh + t * p_.v_s2;
+        }
       }
-      if (++off == p_.block_size) {
-        off = 0;
-        ++b;
-      }
-    }
+    });
     for (int hh = 0; hh < nh_; ++hh)  // padding for the 8-key score kernels
       for (int jj = n; jj < (n + 7) / 8 * 8; ++jj) {
         kp[hh * KEY_CHUNK + jj] = kp[hh * KEY_CHUNK];
@@ -180,32 +195,48 @@ class ItemKernel {
       }
   }
 
-  // Asks the memory system for the K and V rows of positions [c0, c1) of the item's KV heads
-  // (every cache line of each row), so that the DRAM reads of the next chunk overlap the
-  // arithmetic of this one instead of stalling on each line in turn.
-  void prefetch(int64_t c0, int64_t c1) const {
-    if (c0 >= c1) return;
-    constexpr int64_t LINE = 64;
-    const int64_t row_bytes = d_ * static_cast<int64_t>(sizeof(C));
+  // Calls f(jj, run, k, v) for each block's run of positions [c0 + jj, c0 + jj + run) within
+  // [c0, c1): k and v point to the first position's K and V rows of the item's first KV head.
+  template <typename F>
+  void for_block_runs(int64_t c0, int64_t c1, F&& f) const {
     const int32_t* table = p_.block_tables + it_.seq * p_.max_blocks;
     int64_t b = c0 / p_.block_size, off = c0 % p_.block_size;
-    for (int64_t c = c0; c < c1; ++c) {
+    for (int64_t c = c0; c < c1; ++b, off = 0) {
+      const int run = static_cast<int>(std::min<int64_t>(c1 - c, p_.block_size - off));
       const int64_t id = table[b];
-      for (int hh = 0; hh < nh_; ++hh) {
-        const char* k = reinterpret_cast<const char*>(
-            k_ + id * p_.k_s0 + (it_.kv_head + hh) * p_.k_s1 + off * p_.k_s2);
-        const char* v = reinterpret_cast<const char*>(
-            v_ + id * p_.v_s0 + (it_.kv_head + hh) * p_.v_s1 + off * p_.v_s2);
-        for (int64_t x = 0; x < row_bytes; x += LINE) {
-          __builtin_prefetch(k + x);
-          __builtin_prefetch(v + x);
-        }
-      }
-      if (++off == p_.block_size) {
-        off = 0;
-        ++b;
-      }
+      f(static_cast<int>(c - c0), run, k_ + id * p_.k_s0 + it_.kv_head * p_.k_s1 + off * p_.k_s2,
+        v_ + id * p_.v_s0 + it_.kv_head * p_.v_s1 + off * p_.v_s2);
+      c += run;
     }
+  }
+
+  // Asks the memory system for the K and V rows of positions [c0, c1) of the item's KV heads
+  // (every cache line of each row), so that the DRAM reads of the next chunk overlap the
+  // arithmetic of this one instead of stalling on each line in turn. Rows that are contiguous
+  // within a block (the HND layout) are requested as one range per block and head.
+  void prefetch(int64_t c0, int64_t c1) const {
+    if (c0 >= c1) return;
+    const int64_t row_bytes = d_ * static_cast<int64_t>(sizeof(C));
+    const bool k_dense = p_.k_s2 == d_, v_dense = p_.v_s2 == d_;
+    for_block_runs(c0, c1, [&](int, int run, const C* k, const C* v) {
+      for (int hh = 0; hh < nh_; ++hh) {
+        prefetch_rows(k + hh * p_.k_s1, run, p_.k_s2, k_dense, row_bytes);
+        prefetch_rows(v + hh * p_.v_s1, run, p_.v_s2, v_dense, row_bytes);
+      }
+    });
+  }
+
+  // Every 64-byte line of `run` rows `stride` elements apart (one range when dense).
+  static void prefetch_rows(const C* rows, int run, int64_t stride, bool dense, int64_t row_bytes) {
+    constexpr int64_t LINE = 64;
+    const char* base = reinterpret_cast<const char*>(rows);
+    if (dense) {
+      for (int64_t x = 0; x < run * row_bytes; x += LINE) __builtin_prefetch(base + x);
+      return;
+    }
+    for (int t = 0; t < run; ++t)
+      for (int64_t x = 0; x < row_bytes; x += LINE)
+        __builtin_prefetch(base + t * stride * static_cast<int64_t>(sizeof(C)) + x);
   }
 
   // All KV heads of the item go through each chunk together, in units of UNIT_KEYS keys (a
@@ -403,17 +434,21 @@ class ItemKernel {
 #endif
 
   // Raw scores q . k for rows [r0, r0 + rh_) and every key of the chunk; key rows are padded to a
-  // multiple of 8 with valid rows (their scores are never used).
+  // multiple of 8 with valid rows (their scores are never used). Rows go 3 at a time through
+  // scores_x4 (each K load feeds a whole GQA group of 3), a last pair through scores_x4<2>, a last
+  // single row through scores8.
   template <typename S>
   void compute_scores(int r0, const S* const* krows, int n) {
     float* S_ = sc_.scores.data();
     const int r1 = r0 + rh_;
     int r = r0;
-    for (; r + 2 <= r1; r += 2)
+    for (; r + 3 <= r1; r += 3)
       for (int jj = 0; jj < n; jj += 4)
-        scores2x4(&sc_.q[r * d_], &sc_.q[(r + 1) * d_], krows + jj, d_, S_ + r * KEY_CHUNK + jj,
-                  S_ + (r + 1) * KEY_CHUNK + jj);
-    if (r < r1)
+        scores_x4<3>(&sc_.q[r * d_], krows + jj, d_, S_ + r * KEY_CHUNK + jj, KEY_CHUNK);
+    if (r1 - r == 2)
+      for (int jj = 0; jj < n; jj += 4)
+        scores_x4<2>(&sc_.q[r * d_], krows + jj, d_, S_ + r * KEY_CHUNK + jj, KEY_CHUNK);
+    else if (r1 - r == 1)
       for (int jj = 0; jj < n; jj += 8)
         scores8(&sc_.q[r * d_], krows + jj, d_, S_ + r * KEY_CHUNK + jj);
   }
@@ -685,7 +720,7 @@ void run_items(const Problem& p, const at::Tensor& query, const at::Tensor& key_
   int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
 #pragma omp parallel num_threads(nthreads)
   {
-    Scratch<T, C> sc(rows, static_cast<int>(p.head_size), heads);
+    Scratch<T, C>& sc = thread_scratch<T, C>(rows, static_cast<int>(p.head_size), heads);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) ItemKernel<T, C>(p, q, k, v, o, items[i], sc).run();
   }

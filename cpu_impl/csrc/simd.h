@@ -270,33 +270,38 @@ inline void scores8(const float* q, const S* const* k, int d, float* scores) {
     for (int i = 0; i < 8; ++i) scores[i] += q[x] * scalar_float(k[i][x]);
 }
 
-// Two query rows against 4 key rows: each K load feeds two FMAs (scores8 is load-bound).
-// s0[i] = dot(q0, k[i]), s1[i] = dot(q1, k[i]), i < 4.
-template <typename S>
-inline void scores2x4(const float* q0, const float* q1, const S* const* k, int d, float* s0,
-                      float* s1) {
-  __m256 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+// The four sums of acc[0..4) in one vector (lane i = sum(acc[i])), added in reduce8's order.
+PK_INLINE __m128 reduce4(const __m256* acc) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// NR <= 3 query rows against 4 key rows: each K load feeds NR FMAs (scores8 is load-bound), and
+// the NR x 4 accumulators (12 of the 16 ymm registers at NR = 3) are reduced together.
+// s[i * stride + j] = dot(q + i * d, k[j]), i < NR, j < 4. Every score is summed in scores8's
+// order (per lane over d, then reduce8's tree, then the scalar tail), whatever NR.
+template <int NR, typename S>
+PK_INLINE void scores_x4(const float* q, const S* const* k, int d, float* s, int stride) {
+  static_assert(NR >= 1 && NR <= 3, "12 accumulators at most");
+  __m256 acc[NR][4];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
   int x = 0;
-  for (; x + 8 <= d; x += 8) {
-    __m256 a = _mm256_loadu_ps(q0 + x), b = _mm256_loadu_ps(q1 + x);
-    for (int i = 0; i < 4; ++i) {
-      __m256 kv = load8(k[i] + x);
-      acc[i] = _mm256_fmadd_ps(a, kv, acc[i]);
-      acc[4 + i] = _mm256_fmadd_ps(b, kv, acc[4 + i]);
+  for (; x + 8 <= d; x += 8)
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = load8(k[j] + x);
+      for (int i = 0; i < NR; ++i)
+        acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + x), kv, acc[i][j]);
     }
+  if (NR >= 2) {
+    const __m256 pair = reduce8(acc[0]);  // acc[0], acc[1]: 8 consecutive vectors
+    _mm_storeu_ps(s, _mm256_castps256_ps128(pair));
+    _mm_storeu_ps(s + stride, _mm256_extractf128_ps(pair, 1));
   }
-  alignas(32) float all[8];
-  _mm256_store_ps(all, reduce8(acc));
+  if (NR != 2) _mm_storeu_ps(s + (NR - 1) * stride, reduce4(acc[NR - 1]));
   for (; x < d; ++x)
-    for (int i = 0; i < 4; ++i) {
-      all[i] += q0[x] * scalar_float(k[i][x]);
-      all[4 + i] += q1[x] * scalar_float(k[i][x]);
-    }
-  for (int i = 0; i < 4; ++i) {
-    s0[i] = all[i];
-    s1[i] = all[4 + i];
-  }
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < 4; ++j) s[i * stride + j] += q[i * d + x] * scalar_float(k[j][x]);
 }
 
 #if defined(PK_AVX512)
@@ -426,13 +431,10 @@ inline void scores8(const float* q, const S* const* k, int d, float* scores) {
   for (int i = 0; i < 8; ++i) scores[i] = dot_rows(q, k[i], d);
 }
 
-template <typename S>
-inline void scores2x4(const float* q0, const float* q1, const S* const* k, int d, float* s0,
-                      float* s1) {
-  for (int i = 0; i < 4; ++i) {
-    s0[i] = dot_rows(q0, k[i], d);
-    s1[i] = dot_rows(q1, k[i], d);
-  }
+template <int NR, typename S>
+inline void scores_x4(const float* q, const S* const* k, int d, float* s, int stride) {
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < 4; ++j) s[i * stride + j] = dot_rows(q + i * d, k[j], d);
 }
 
 inline float exp_shifted(float* x, int n, float shift) {
