@@ -17,6 +17,7 @@ permutation undone on their block rows.
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Iterator
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 
 from engine.model.config import DecoderConfig
 from engine.model.gguf_config import architecture_of, gguf_config
+from engine.model.gguf_file import GGUFFile
 from engine.model.quant import BLOCK_BYTES, GGUFBlocks
 
 __all__ = ["open_gguf", "gguf_metadata", "gguf_config", "hf_name", "unpermute_rotary_rows",
@@ -63,16 +65,17 @@ _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rop
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 
 
-def open_gguf(path: str) -> Any:
-    """A `gguf.GGUFReader` over `path`; ValueError when the file is not a readable GGUF."""
+def open_gguf(path: str) -> GGUFFile:
+    """The header of the GGUF file at `path` (`engine.model.gguf_file`, GGUFReader's interface);
+    ValueError when the file is not a readable GGUF."""
     try:
-        import gguf
+        import gguf  # noqa: F401 - the tensor types and the dequantisation
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("reading a .gguf model needs the `gguf` package: pip install gguf") \
             from exc
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as exc:
+        return GGUFFile(path)
+    except (ValueError, OSError, IndexError, KeyError, struct.error, UnicodeDecodeError) as exc:
         raise ValueError(f"model: expected a readable GGUF file at {path!r}, got an error "
                          f"reading it: {exc}") from exc
 
