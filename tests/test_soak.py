@@ -128,12 +128,12 @@ def test_judge_passes_a_clean_record_and_fails_each_broken_check() -> None:
 
 # ---------------------------------------------------------------------------- the soak
 def test_soak_passes_against_real_servers(tmp_path) -> None:
-    """The CI version of `python -m bench.soak` (both preemption modes side by side, 36 s of
-    load with a fault every ~8 s: 3-4 faults, both kinds). Its RSS bound only catches a gross
+    """The CI version of `python -m bench.soak` (both preemption modes side by side, 24 s of
+    load with a fault every ~6 s: 2-4 faults, both kinds). Its RSS bound only catches a gross
     leak: in its first minutes a server's RSS grows by tens of MiB, faults or not, more slowly
     as the run goes on; the long run holds the real bound."""
     out = tmp_path / "soak"
-    cmd = [sys.executable, "-m", "bench.soak", "--duration", "36", "--fault-interval", "8",
+    cmd = [sys.executable, "-m", "bench.soak", "--duration", "24", "--fault-interval", "6",
            "--num-references", "4", "--request-timeout", "40", "--rss-growth-mib", "128",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)

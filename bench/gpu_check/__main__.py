@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         ("tune", lambda: tuning.tune(args.out, deadline - 75, args.cpu_smoke, env)),
         ("settings", lambda: tuning.settings_conformance(args.out, deadline - 15,
                                                          args.cpu_smoke, env)),
-        ("graph_test", lambda: tuning.graph_test(args.out, deadline, env)),
+        ("graph_test", lambda: tuning.graph_test(args.out, deadline, args.cpu_smoke, env)),
     ]
     for name, step in steps:
         result[name] = step()
