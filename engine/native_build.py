@@ -36,7 +36,7 @@ TIERS = ("avx512 + fma + f16c + bf16", "avx512 + fma + f16c", "avx2 + fma + f16c
 #: AVX2's u8 x s8 pair products (vpmaddubsw) on the same packed layout, with the same bits.
 INT8_TIERS = ("avx512 + vnni + bf16 + fma + f16c", "avx2 + fma + f16c")
 #: The tiled bf16 kernel's SIMD path: vdpbf16ps, nibble table lookups (BW), f16 scales.
-TILED_TIERS = ("avx512 + bf16 + fma + f16c",)
+TILED_TIERS = ("avx512 + bf16 + fma + f16c + amx", "avx512 + bf16 + fma + f16c")
 #: The kernel's codes for the block formats.
 _QTYPES = {"Q4_1": 0, "Q8_0": 1}
 #: The kernels built in this process, per (source, flags).

@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from engine.model.quant import (
+    AMX_BF16_MAX_ROWS,
     MAX_ROWS,
     TILED_BF16_MAX_ROWS,
     UNTILED_BF16_MAX_ROWS,
     GGUFBlocks,
     QuantizedWeight,
     float32_max_rows,
+    tiled_max_rows,
 )
 from engine.model.quant_tiled import TiledWeight, pack_tiled, tiled_linear
 from engine.native_build import TILED_TIERS, load_tiled
@@ -59,10 +61,26 @@ def test_kernel_matches_gguf_dequantisation(qtype, rows, cols):
         check(tiled_linear(padded_x(x), weight), x, raw, qtype)
 
 
+def on_amx() -> bool:
+    """Whether this machine's build runs 4 rows or more on AMX tiles (two chains at every M)."""
+    return load_tiled().simd_paths == "amx-bf16"
+
+
+def rows_alone(x: torch.Tensor, weight: TiledWeight, kernel=None) -> torch.Tensor:
+    """Each row of x multiplied on its own (one row: the two-chain order)."""
+    return torch.cat([tiled_linear(x[r:r + 1].contiguous(), weight, kernel)
+                      for r in range(x.shape[0])])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_portable_build_gives_the_same_bits(portable, qtype):
     """The portable path emulates vdpbf16ps (exact products, the same summation order, subnormals
-    flushed) and matches the oracle; on a CPU with AVX-512 BF16 it gives the SIMD path's bits."""
+    flushed) and matches the oracle; on a CPU with AVX-512 BF16 it gives the SIMD path's bits,
+    and on AMX the bits of each row alone (the two-chain order at every M)."""
     assert portable.simd_paths == "portable"
     rng = np.random.default_rng(11)
     raw = random_blocks(rng, qtype, 53, 160)
@@ -73,7 +91,26 @@ def test_portable_build_gives_the_same_bits(portable, qtype):
         x = random_x(rng, m, 160)
         got = tiled_linear(padded_x(x), port, kernel=portable)
         check(got, x, raw, qtype)
-        assert torch.equal(got.view(torch.int16), tiled_linear(x, simd).view(torch.int16)), m
+        want = rows_alone(x, port, portable) if on_amx() else got
+        assert same_bits(tiled_linear(x, simd), want), m
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_amx_rows_equal_the_rows_alone(portable, qtype):
+    """On AMX (4 rows or more on tiles: groups of up to 16, several groups, a ragged N), every
+    row's bits are those of the row alone, from the AMX build and from the portable one."""
+    if not on_amx():
+        pytest.skip("this CPU runs no AMX path (amx_bf16 absent or not granted)")
+    rng = np.random.default_rng(17)
+    raw = random_blocks(rng, qtype, 83, 288)
+    weight = pack_tiled(padded_blocks(raw, qtype, 288))
+    port = pack_tiled(padded_blocks(raw, qtype, 288), kernel=portable)
+    for m in (4, 5, 15, 16, 17, 31, 33, 48):
+        x = random_x(rng, m, 288)
+        got = tiled_linear(padded_x(x), weight)
+        check(got, x, raw, qtype)
+        assert same_bits(got, rows_alone(x, weight)), m
+        assert same_bits(got, rows_alone(x, port, portable)), m
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
@@ -91,9 +128,22 @@ def test_default_crossovers_follow_the_path_and_format():
         raw = random_blocks(np.random.default_rng(4), qtype, 16, 64)
         blocks = GGUFBlocks(qtype, torch.from_numpy(raw), 64)
         tiled = QuantizedWeight(pack_tiled(blocks), dense).max_rows
-        assert tiled == TILED_BF16_MAX_ROWS.get(qtype, MAX_ROWS[torch.bfloat16])
+        assert tiled == (AMX_BF16_MAX_ROWS[qtype] if on_amx()
+                         else TILED_BF16_MAX_ROWS.get(qtype, MAX_ROWS[torch.bfloat16]))
         assert QuantizedWeight(blocks, dense).max_rows == UNTILED_BF16_MAX_ROWS
         assert QuantizedWeight(blocks, dense.float()).max_rows == float32_max_rows()
+
+
+def test_crossover_follows_the_kernel_path(portable):
+    """The AMX path has its own crossovers; the portable and AVX-512 BF16 builds the others."""
+    assert tiled_max_rows("Q4_1", portable) == MAX_ROWS[torch.bfloat16]
+    assert tiled_max_rows("Q8_0", portable) == TILED_BF16_MAX_ROWS["Q8_0"]
+
+    class Amx:
+        simd_paths = "amx-bf16"
+
+    assert tiled_max_rows("Q4_1", Amx()) == AMX_BF16_MAX_ROWS["Q4_1"]
+    assert tiled_max_rows("Q8_0", Amx()) == AMX_BF16_MAX_ROWS["Q8_0"]
 
 
 @pytest.mark.parametrize("m", [3, 16, 25])
@@ -151,7 +201,7 @@ def test_model_reads_the_tiles_up_to_the_crossover(monkeypatch):
     model = DecoderForCausalLM(config, dtype=torch.bfloat16)
     attach_gguf_weights(model, given, tiled=True)
     weight = model.layers[0].down_proj
-    assert isinstance(weight.blocks, TiledWeight) and weight.max_rows == MAX_ROWS[torch.bfloat16]
+    assert isinstance(weight.blocks, TiledWeight) and weight.max_rows == tiled_max_rows("Q4_1")
     weight.dense = torch.from_numpy(rng.normal(0, 1, (64, 96))).to(torch.bfloat16)
     calls = []
     kernel = decoder.tiled_linear
@@ -165,12 +215,12 @@ def test_model_reads_the_tiles_up_to_the_crossover(monkeypatch):
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("m,ulps", [(4, 1.0), (1, 1.25)])
-def test_summation_order_is_the_stated_one(portable, m, ulps):
+@pytest.mark.parametrize("m", [1, 4])
+def test_summation_order_is_the_stated_one(portable, m):
     """tiled_matmul.cpp's order, on a block whose result depends on it: pair 0 gives S = 1, pair
     1 adds its odd product (half an ulp of 1: a tie, kept at 1) then its even one (0.75 ulp:
-    rounds up), pair 2 subtracts 1, leaving one ulp of 1. In two chains (m < 4) pair 1 sums in
-    its own chain, exactly: 1.25 ulps. Both builds."""
+    rounds up), pair 2 subtracts 1, leaving one ulp of 1. In two chains (fewer than 4 rows, and
+    every M on AMX) pair 1 sums in its own chain, exactly: 1.25 ulps. Both builds."""
     raw = np.zeros((16, 34), np.uint8)
     raw[:, 0:2] = np.array([1.0], np.float16).view(np.uint8).reshape(1, 2)
     q = np.zeros(32, np.int8)
@@ -180,5 +230,25 @@ def test_summation_order_is_the_stated_one(portable, m, ulps):
     x = torch.zeros(m, 32)
     x[:, 0], x[:, 2], x[:, 3], x[:, 4] = 1.0, 3 * 2.0 ** -25, 2.0 ** -24, 1.0
     for kernel in (None, portable):
+        two_chains = m < 4 or (kernel is None and on_amx())
         y = tiled_linear(x.bfloat16(), pack_tiled(blocks, kernel), kernel)
+        ulps = 1.25 if two_chains else 1.0
         assert (y[:, 0].float() == ulps * 2.0 ** -23).all() and (y[:, 1:] == 0).all()
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_odd_product_of_a_pair_comes_first_in_every_chain(portable, m):
+    """Within a chain a pair adds its odd product first: chain 0 of Q8_0 (the even pairs in both
+    orders) holds 1, then pair 2's odd product (half an ulp: a tie, kept at 1) and its even one
+    (0.75 ulp: rounds up), then pair 4's -1: one ulp (two ulps the other way round)."""
+    raw = np.zeros((16, 34), np.uint8)
+    raw[:, 0:2] = np.array([1.0], np.float16).view(np.uint8).reshape(1, 2)
+    q = np.zeros(32, np.int8)
+    q[[0, 4, 5]], q[8] = 1, -1
+    raw[0, 2:] = q.view(np.uint8)
+    blocks = GGUFBlocks("Q8_0", torch.from_numpy(raw), 32)
+    x = torch.zeros(m, 32)
+    x[:, 0], x[:, 4], x[:, 5], x[:, 8] = 1.0, 3 * 2.0 ** -25, 2.0 ** -24, 1.0
+    for kernel in (None, portable):
+        y = tiled_linear(x.bfloat16(), pack_tiled(blocks, kernel), kernel)
+        assert (y[:, 0].float() == 2.0 ** -23).all() and (y[:, 1:] == 0).all()

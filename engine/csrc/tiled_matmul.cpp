@@ -53,6 +53,11 @@
     defined(__FMA__) && defined(__F16C__)
 #define TM_SIMD 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 namespace {
@@ -329,6 +334,220 @@ __m512i* unpacked_buffer(const Problem& p, int64_t groups) {
 }
 #endif
 
+#if defined(TM_AMX)
+// --- AMX: the two-chain arithmetic on tiles ---------------------------------------------------
+// Rows in groups of at most AMX_ROWS (balanced). Measured on this kernel's AMX CPUs (Sapphire
+// Rapids class): one TDPBF16PS sums the products of its pairs' element 0 in one float32 chain and
+// those of element 1 in another, each from zero in pair order, and adds both to C (Intel's
+// pseudocode states one chain continued from C). So a tile-block's S is one TDPBF16PS from a
+// zeroed C with tile_simd's two chains in the two elements: slot j of A and B holds product j of
+// chain 0 in element 0 and product j of chain 1 in element 1, in the two-chain order (pair_at(
+// qtype, 2, i), k = 2p + 1 then 2p): S = chain 0 + chain 1, then tile_simd's d and m fmas. A
+// row's bits are those of the row alone (one row: two chains), at any M
+// (tests/test_quant_tiled.py). x is staged per call into A's layout (`xa`, zero rows past a
+// group's end); a tile's blocks are unpacked once per call into a per-thread buffer of
+// K/32 x 1 KiB that every group's B loads read.
+constexpr int AMX_ROWS = 16;              // rows of an A / C tile
+constexpr int AMX_MIN_ROWS = CHAIN_ROWS;  // fewer rows: tile_simd (the same bits)
+constexpr int64_t AMX_TILE = AMX_ROWS * QK;  // uint16 of one A (or B) tile: 16 x 32
+
+// Whether this process may use AMX tile data (Linux asks once per process: arch_prctl).
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-5, each 16 rows of 64 bytes: C0, C1, A0, B0, A1, B1 (two blocks in flight).
+void amx_configure() {
+  TileConfig c;
+  for (int i = 0; i < 6; ++i) {
+    c.colsb[i] = 64;
+    c.rows[i] = AMX_ROWS;
+  }
+  _tile_loadconfig(&c);
+}
+
+inline int64_t amx_groups(int64_t M) { return (M + AMX_ROWS - 1) / AMX_ROWS; }
+inline int64_t group_rows(int64_t M, int64_t groups, int64_t g) {
+  return M / groups + (g < M % groups ? 1 : 0);
+}
+// k of product j (0..15) of chain c of a block, in the two-chain order.
+inline int chain_k(int qtype, int c, int j) {
+  return 2 * pair_at(qtype, 2, 8 * c + j / 2) + 1 - j % 2;
+}
+
+// xa for group g, block b: an A tile [16 rows][16 slots][2], slot j of row r holding
+// x[m0 + r, 32 b + chain_k(c, j)] in element c.
+void amx_stage(const Problem& p, int64_t groups, int64_t i, uint16_t* xa) {
+  const int64_t g = i / p.nb, b = i % p.nb;
+  int64_t m0 = 0;
+  for (int64_t h = 0; h < g; ++h) m0 += group_rows(p.M, groups, h);
+  const int64_t mt = group_rows(p.M, groups, g);
+  uint16_t* out = xa + i * AMX_TILE;
+  alignas(64) uint16_t order[QK];  // word 2j + c of a slot row <- x word chain_k(c, j)
+  for (int j = 0; j < PAIRS; ++j)
+    for (int c = 0; c < 2; ++c) order[2 * j + c] = static_cast<uint16_t>(chain_k(p.qtype, c, j));
+  const __m512i idx = _mm512_load_si512(order);
+  for (int64_t r = 0; r < AMX_ROWS; ++r) {
+    const __m512i v = r < mt ? _mm512_permutexvar_epi16(
+                                   idx, _mm512_loadu_si512(p.x + (m0 + r) * p.K + b * QK))
+                             : _mm512_setzero_si512();
+    _mm512_store_si512(out + r * QK, v);
+  }
+}
+
+// The slots 2i and 2i + 1 from the weight vectors of chain 0's and chain 1's pair at position
+// i (words 2n + h = q[n, 2p + h]): k = 2p + 1 of both, then k = 2p of both.
+inline void amx_slots(__m512i chain0, __m512i chain1, __m512i* out) {
+  constexpr __mmask32 kOdd = 0xAAAAAAAAu;  // element 1 of every slot
+  out[0] = _mm512_mask_blend_epi16(kOdd, _mm512_srli_epi32(chain0, 16), chain1);
+  out[1] = _mm512_mask_blend_epi16(kOdd, chain0, _mm512_slli_epi32(chain1, 16));
+}
+
+// Tile t's weights as B tiles: wb[b * 16 + j] = slot j of block b.
+template <int QTYPE>
+void amx_unpack(const Problem& p, int64_t t, __m512i* wb) {
+  constexpr int64_t TB = QTYPE == 0 ? Q4_TB : Q8_TB;
+  const __m512i table = _mm512_loadu_si512(gguf_scalars::kNibbleBf16);
+  const uint8_t* base = p.w + t * p.nb * TB;
+  for (int64_t b = 0; b < p.nb; ++b) {
+    const uint8_t* blk = base + b * TB;
+    for (int64_t off = 0; off < TB; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BLOCKS * TB + off), _MM_HINT_T0);
+    __m512i* out = wb + b * PAIRS;
+    if (QTYPE == 0) {
+      for (int c = 0; c < 8; ++c) {  // chain 0: p = c (low nibbles), chain 1: c + 8 (high)
+        const __m512i words = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * c)));
+        amx_slots(_mm512_permutexvar_epi16(words, table),
+                  _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table), out + 2 * c);
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) {  // chain 0: p = 2i, chain 1: p = 2i + 1
+        __m512i w[2];
+        for (int c = 0; c < 2; ++c) {
+          const uint8_t* ch = blk + 32 * (2 * i + c);
+          const __m512 e = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch))));
+          const __m512 o = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16))));
+          w[c] = (__m512i)_mm512_cvtne2ps_pbh(o, e);
+        }
+        amx_slots(w[0], w[1], out + 2 * i);
+      }
+    }
+  }
+}
+
+// acc[i] += d * S[i] (+ m * sx[i]) for the MT rows of a stored C: tile_simd's fmas.
+template <int QTYPE, int MT>
+inline void amx_apply(const Problem& p, int64_t t, int64_t b, int64_t m0, const float* c,
+                      __m512* acc) {
+  constexpr int64_t TB = QTYPE == 0 ? Q4_TB : Q8_TB;
+  const uint8_t* sc = p.w + (t * p.nb + b) * TB + (QTYPE == 0 ? 256 : 512);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_fmadd_ps(_mm512_load_ps(c + i * TILE), d, acc[i]);
+  if (QTYPE == 0) {
+    const __m512 m =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+    const float* sx = p.sx + b * p.M + m0;
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i]), acc[i]);
+  }
+}
+
+// S of block b into C tile `c` from A tile `a` and B tile `w` (compile-time tile numbers).
+#define TM_AMX_BLOCK(c, a, w, b)                     \
+  do {                                               \
+    _tile_zero(c);                                   \
+    _tile_loadd(a, xa + (b) * AMX_TILE, 64);         \
+    _tile_loadd(w, wb + (b) * PAIRS, 64);            \
+    _tile_dpbf16ps(c, a, w);                         \
+  } while (0)
+
+// Rows m0..m0+MT of tile t from the group's staged x and the tile's unpacked B tiles, two
+// blocks in flight (C0 and C1); the blocks still meet acc in order.
+template <int QTYPE, int MT>
+void tile_amx(const Problem& p, int64_t t, int64_t m0, const uint16_t* xa, const __m512i* wb,
+              const uint8_t* next) {
+  alignas(64) float c0[AMX_ROWS * TILE], c1[AMX_ROWS * TILE];
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  // Software-pipelined: blocks b + 2 and b + 3 run on the tile unit while the vector units
+  // apply blocks b and b + 1.
+  TM_AMX_BLOCK(0, 2, 3, 0);
+  if (p.nb > 1) TM_AMX_BLOCK(1, 4, 5, 1);
+  for (int64_t b = 0; b < p.nb; b += 2) {
+    const bool second = b + 1 < p.nb;
+    _tile_stored(0, c0, 64);
+    if (second) _tile_stored(1, c1, 64);
+    if (b + 2 < p.nb) TM_AMX_BLOCK(0, 2, 3, b + 2);
+    if (b + 3 < p.nb) TM_AMX_BLOCK(1, 4, 5, b + 3);
+    if (next != nullptr) {  // the next tile's blocks b, b + 1 into L2 while this one computes
+      constexpr int64_t TB = QTYPE == 0 ? Q4_TB : Q8_TB;
+      for (int64_t off = 0; off < (second ? 2 : 1) * TB; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + b * TB + off), _MM_HINT_T1);
+    }
+    amx_apply<QTYPE, MT>(p, t, b, m0, c0, acc);
+    if (second) amx_apply<QTYPE, MT>(p, t, b + 1, m0, c1, acc);
+  }
+  const int64_t n0 = t * TILE;
+  const __mmask16 mask = p.N - n0 >= TILE ? 0xFFFF : static_cast<__mmask16>((1u << (p.N - n0)) - 1);
+  for (int i = 0; i < MT; ++i)
+    _mm256_mask_storeu_epi16(p.y + (m0 + i) * p.N + n0, mask, (__m256i)_mm512_cvtneps_pbh(acc[i]));
+}
+#undef TM_AMX_BLOCK
+
+template <int QTYPE>
+void amx_rows(const Problem& p, int64_t t, int64_t m0, int64_t mt, const uint16_t* xa,
+              const __m512i* wb, const uint8_t* next) {
+  switch (mt) {
+#define TM_CASE(n) \
+  case n: tile_amx<QTYPE, n>(p, t, m0, xa, wb, next); break;
+    TM_CASE(4) TM_CASE(5) TM_CASE(6) TM_CASE(7) TM_CASE(8) TM_CASE(9) TM_CASE(10) TM_CASE(11)
+    TM_CASE(12) TM_CASE(13) TM_CASE(14) TM_CASE(15)
+#undef TM_CASE
+    default: tile_amx<QTYPE, AMX_ROWS>(p, t, m0, xa, wb, next); break;
+  }
+}
+
+// One thread's share on AMX: its contiguous range of tiles, each unpacked once, then every
+// group. `xa`: the staged x of every group (amx_stage).
+void amx_share(const Problem& p, int64_t id, int64_t n, const uint16_t* xa) {
+  thread_local std::vector<Vector> buffer;
+  if (static_cast<int64_t>(buffer.size()) < p.nb * PAIRS) buffer.resize(p.nb * PAIRS);
+  __m512i* wb = reinterpret_cast<__m512i*>(buffer.data());
+  const int64_t tiles = num_tiles(p.N);
+  const int64_t t0 = tiles * id / n, t1 = tiles * (id + 1) / n;
+  const int64_t groups = amx_groups(p.M);
+  amx_configure();
+  for (int64_t t = t0; t < t1; ++t) {
+    if (p.qtype == 0) amx_unpack<0>(p, t, wb);
+    else amx_unpack<1>(p, t, wb);
+    for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+      const int64_t mt = group_rows(p.M, groups, g);
+      const uint16_t* xg = xa + g * p.nb * AMX_TILE;
+      const uint8_t* next = g == 0 && t + 1 < t1 ? p.w + (t + 1) * p.nb * tile_block_bytes(p.qtype)
+                                                 : nullptr;
+      if (p.qtype == 0) amx_rows<0>(p, t, m0, mt, xg, wb, next);
+      else amx_rows<1>(p, t, m0, mt, xg, wb, next);
+      m0 += mt;
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // One thread's share: its contiguous range of tiles, each for every row group.
 void matmul_share(const Problem& p, int64_t id, int64_t n) {
   const int64_t tiles = num_tiles(p.N);
@@ -395,6 +614,26 @@ int tiled_linear(const uint16_t* x, const uint8_t* packed, int qtype, uint16_t* 
   const Problem p{packed, x, sx.data(), y, M, N, K, nb, qtype};
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, num_tiles(N))));
   float* sums = sx.data();
+#if defined(TM_AMX)
+  if (M >= AMX_MIN_ROWS && amx_granted()) {
+    const int64_t groups = amx_groups(M);
+    thread_local std::vector<Vector> staged;  // 64 bytes = one A-tile row
+    if (static_cast<int64_t>(staged.size()) < groups * nb * AMX_ROWS)
+      staged.resize(groups * nb * AMX_ROWS);
+    uint16_t* xa = reinterpret_cast<uint16_t*>(staged.data());
+#pragma omp parallel num_threads(n)
+    {
+      if (qtype == 0) {
+#pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < M * nb; ++i) block_sums(p, i, sums);
+      }
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < groups * nb; ++i) amx_stage(p, groups, i, xa);
+      amx_share(p, omp_get_thread_num(), omp_get_num_threads(), xa);  // after the barrier
+    }
+    return 0;
+  }
+#endif
 #pragma omp parallel num_threads(n)
   {
     if (qtype == 0) {
@@ -406,8 +645,12 @@ int tiled_linear(const uint16_t* x, const uint8_t* packed, int qtype, uint16_t* 
   return 0;
 }
 
+// "amx-bf16" (AMX built and granted to this process: 4 rows or more run on tiles),
 // "avx512-bf16" or "portable".
 const char* tiled_simd_paths() {
+#if defined(TM_AMX)
+  if (amx_granted()) return "amx-bf16";
+#endif
 #if defined(TM_SIMD)
   return "avx512-bf16";
 #else

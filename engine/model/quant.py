@@ -35,14 +35,16 @@ from engine.model.checkpoint_names import fused_parts, layer_tensors
 from engine.model.gguf_blocks import BLOCK_BYTES, QK, GGUFBlocks
 from engine.model.packed_weight import LazyKernel
 from engine.model.quant_int8 import X_DTYPES, Int8Weight, bad_x, pack_int8
-from engine.model.quant_tiled import TiledWeight, pack_tiled, tiled_kernel_problem
+from engine.model.quant_tiled import (TiledWeight, pack_tiled, tiled_kernel_problem,
+                                      tiled_simd_path)
 from engine.model.sharding import take_blocks
 
 if TYPE_CHECKING:
-    from engine.native_build import QuantKernel
+    from engine.native_build import QuantKernel, TiledKernel
 
 __all__ = ["QK", "BLOCK_BYTES", "MAX_ROWS", "FLOAT32_MAX_ROWS", "TILED_BF16_MAX_ROWS",
-           "UNTILED_BF16_MAX_ROWS", "QUANTIZATION_MODES", "float32_max_rows",
+           "AMX_BF16_MAX_ROWS", "UNTILED_BF16_MAX_ROWS", "QUANTIZATION_MODES", "float32_max_rows",
+           "tiled_max_rows",
            "GGUFBlocks", "TiledWeight", "QuantizedWeight", "quantized_linear", "kernel_problem",
            "attach_gguf_weights"]
 
@@ -60,6 +62,11 @@ FLOAT32_MAX_ROWS = {"avx2": 40}
 #: Q8_0 costs more to unpack than Q4_1, and its one matrix here, the output head (49152 rows),
 #: is where oneDNN's dense kernel is at its most efficient.
 TILED_BF16_MAX_ROWS = {"Q8_0": 16}
+#: Per GGUF format, the tiled path's crossover on AMX (`TiledKernel.simd_paths == "amx-bf16"`,
+#: where oneDNN's dense bfloat16 matmul runs on AMX too), measured on a 2-core Xeon with AMX
+#: (docs/quant.md): the Q4_1 projections ahead of oneDNN at 32 rows and behind at 48, the Q8_0
+#: head about even at 16.
+AMX_BF16_MAX_ROWS = {"Q4_1": 32, "Q8_0": 16}
 #: The crossover of bfloat16 on the file's layout (`quantized_linear`), where the CPU lacks
 #: AVX-512 BF16 and the blocks stay untiled.
 UNTILED_BF16_MAX_ROWS = 4
@@ -133,7 +140,16 @@ def _default_max_rows(blocks: Union[GGUFBlocks, TiledWeight], dense: torch.Tenso
         return float32_max_rows()
     if not isinstance(blocks, TiledWeight):
         return UNTILED_BF16_MAX_ROWS
-    return TILED_BF16_MAX_ROWS.get(blocks.qtype, MAX_ROWS[dense.dtype])
+    return tiled_max_rows(blocks.qtype)
+
+
+def tiled_max_rows(qtype: str, kernel: Optional["TiledKernel"] = None) -> int:
+    """The tiled bfloat16 crossover of `qtype` on `kernel` (default this machine's build): its
+    `AMX_BF16_MAX_ROWS` entry on the AMX path, else its `TILED_BF16_MAX_ROWS` entry, else
+    `MAX_ROWS[bfloat16]`."""
+    if tiled_simd_path(kernel) == "amx-bf16":
+        return AMX_BF16_MAX_ROWS[qtype]
+    return TILED_BF16_MAX_ROWS.get(qtype, MAX_ROWS[torch.bfloat16])
 
 
 def _load() -> "QuantKernel":

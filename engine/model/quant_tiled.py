@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from engine.model.gguf_blocks import GGUFBlocks
     from engine.native_build import TiledKernel
 
-__all__ = ["TiledWeight", "pack_tiled", "tiled_linear", "tiled_kernel_problem"]
+__all__ = ["TiledWeight", "pack_tiled", "tiled_linear", "tiled_kernel_problem", "tiled_simd_path"]
 
 
 class TiledWeight(PackedWeight):
@@ -62,6 +62,12 @@ def _load() -> "TiledKernel":
 
 
 _KERNEL: LazyKernel["TiledKernel"] = LazyKernel(_load)
+
+
+def tiled_simd_path(kernel: Optional["TiledKernel"] = None) -> str:
+    """The path `kernel` (default this machine's build) runs: "amx-bf16" (AMX tiles from 4 rows
+    up, when the CPU has AMX and Linux grants it), "avx512-bf16" or "portable"."""
+    return _KERNEL.get(kernel).simd_paths
 
 
 def tiled_kernel_problem() -> Optional[str]:
