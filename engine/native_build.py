@@ -8,7 +8,8 @@ headers: a build takes seconds), through the build helper every C++ build shares
 SIMD tiers (`TIERS`, `INT8_TIERS`): the quantized matmul's AVX-512 path (F/BW/VL, FMA, F16C), with
 the bf16 dot-product path on top when the CPU has AVX-512 BF16, else its AVX2 path (AVX2, FMA,
 F16C); the int8 kernel's AVX-512 VNNI path (which also needs BF16, FMA and F16C), else its AVX2
-path (with FMA and F16C); the tiled bf16 kernel's AVX-512 BF16 path (`TILED_TIERS`). Elsewhere
+path (with FMA and F16C); the tiled bf16 kernel's AVX-512 BF16 path, with its AMX path on top
+when the CPU has AMX tiles and AMX-BF16 (`TILED_TIERS`). Elsewhere
 the portable C++ path is compiled.
 """
 
@@ -35,7 +36,8 @@ TIERS = ("avx512 + fma + f16c + bf16", "avx512 + fma + f16c", "avx2 + fma + f16c
 #: The int8 kernel's SIMD paths: VNNI dot products, bf16 output conversion, f16 scales; else
 #: AVX2's u8 x s8 pair products (vpmaddubsw) on the same packed layout, with the same bits.
 INT8_TIERS = ("avx512 + vnni + bf16 + fma + f16c", "avx2 + fma + f16c")
-#: The tiled bf16 kernel's SIMD path: vdpbf16ps, nibble table lookups (BW), f16 scales.
+#: The tiled bf16 kernel's SIMD paths: AMX (TDPBF16PS) from 4 rows on top of vdpbf16ps, nibble
+#: table lookups (BW), f16 scales.
 TILED_TIERS = ("avx512 + bf16 + fma + f16c + amx", "avx512 + bf16 + fma + f16c")
 #: The kernel's codes for the block formats.
 _QTYPES = {"Q4_1": 0, "Q8_0": 1}

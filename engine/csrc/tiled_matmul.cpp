@@ -36,6 +36,9 @@
 // Bytes moved per call: the packed weights, M * K bf16 activations per tile sweep (from cache),
 // M * K/32 float32 block sums, M * N bf16 outputs.
 //
+// AMX (built with -mamx-tile -mamx-bf16 and granted by Linux): 4 rows or more run on tiles, with
+// the bits of each row alone (two chains, whatever the group): see "AMX" below.
+//
 // Invariants relied on (checked by the caller, engine/model/quant_tiled.py): K % 32 == 0, all
 // arrays contiguous and of the sizes stated at each entry point. The result does not depend on
 // the thread count; a row's bits depend on M only through the size of its row group.

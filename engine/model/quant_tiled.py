@@ -6,7 +6,9 @@ bfloat16 activations forms every product `q x` exactly with AVX-512 BF16's `vdpb
 features x 2 inputs per instruction, the activation pair broadcast) and sums in float32:
 `y = sum_b d S + m sum(x)` per block (no m for Q8_0), rounded to bfloat16 once. The unpacked
 weights of a tile meet up to 12 activation rows held in registers, so this path beats oneDNN's
-dense bfloat16 matmul up to `engine.model.quant.MAX_ROWS[bfloat16]` rows.
+dense bfloat16 matmul up to `engine.model.quant.MAX_ROWS[bfloat16]` rows. On a CPU with AMX,
+4 rows or more run on AMX tiles (one `TDPBF16PS` per 16 rows x 16 features x 32 inputs), every
+row with the bits of the row alone (`engine.model.quant.AMX_BF16_MAX_ROWS` rows at most).
 `engine/csrc/tiled_matmul.cpp` states the arithmetic, the summation order and the packed layout
 exactly; docs/quant.md has the measurements.
 """
