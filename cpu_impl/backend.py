@@ -9,12 +9,17 @@ CPU, no device to synchronise with) and, when they break the ABI's rules, this b
 ABI's own ValueError: a bad block id can neither crash nor silently produce numbers.
 
 A decode call (`cu_seqlens_q` None) first reads the K/V blocks each sequence will read into the
-CPU's caches, in order (csrc/read_ahead.h): in decode the K/V comes from memory, and one
-sequential sweep is faster than the kernel's scattered loads (docs/cpu.md). `read_ahead = False`
-(this module's) turns it off.
+CPU's caches, in order (csrc/read_ahead.h), where the last-level cache is small (under
+`READ_AHEAD_MAX_LLC`): there the K/V comes from memory, and one sequential sweep is faster than
+the kernel's scattered loads (docs/cpu.md). With a larger last-level cache a decode step's K/V
+stays cached from step to step and the sweep only costs time. `read_ahead` (this module's) is
+the switch.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -38,9 +43,38 @@ SUPPORT = Support(
 #: Query rows per work item in prefill/varlen (times the GQA group size = rows sharing each K/V
 #: row read); decode always uses 1.
 QUERY_TILE = 16
+#: The largest last-level cache (bytes) at which decode calls read ahead by default: measured
+#: faster with the read-ahead on 2-core Zen 3 and Zen 4 machines with 32 MiB of L3, slower on a
+#: 2-core Xeon with 105 MiB (docs/cpu.md).
+READ_AHEAD_MAX_LLC = 64 << 20
+
+
+def last_level_cache_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")
+                           ) -> Optional[int]:
+    """The size of CPU 0's highest-level cache from sysfs, None when it cannot be read."""
+    best: Optional[tuple[int, int]] = None
+    for index in sorted(cache_dir.glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        num = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size)
+        if best is None or level > best[0]:
+            best = (level, num)
+    return None if best is None else best[1]
+
+
+def default_read_ahead(llc: Optional[int]) -> bool:
+    """Whether decode calls read ahead on a CPU with `llc` bytes of last-level cache (unknown:
+    yes, the measured default of the small-cache machines)."""
+    return llc is None or llc <= READ_AHEAD_MAX_LLC
+
+
 #: Whether a decode call sweeps its K/V blocks into the CPU's caches before the attention (read at
 #: every call).
-read_ahead = True
+read_ahead = default_read_ahead(last_level_cache_bytes())
 
 
 class CpuBackend(Backend):

@@ -155,6 +155,36 @@ def test_read_ahead_does_not_change_the_result(dtype, monkeypatch: pytest.Monkey
     assert torch.equal(results[0][1], results[1][1])
 
 
+def write_cache_dir(root: Path, caches: dict[str, tuple[str, str]]) -> Path:
+    """A sysfs-like cpu0/cache folder: index name -> (level, size)."""
+    for name, (level, size) in caches.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "level").write_text(level + "\n")
+        (root / name / "size").write_text(size + "\n")
+    return root
+
+
+@pytest.mark.parametrize("l3,expected", [("32768K", True), ("107520K", False), ("64M", True),
+                                         ("96M", False)])
+def test_read_ahead_by_default_only_under_a_small_last_level_cache(tmp_path, l3, expected):
+    """The highest cache level's size decides (not the largest number or the last index), with
+    K/M/G suffixes; 64 MiB and less: on."""
+    from cpu_impl import backend
+    root = write_cache_dir(tmp_path, {"index0": ("1", "48K"), "index1": ("1", "32K"),
+                                      "index3": ("3", l3), "index2": ("2", "2048K")})
+    llc = backend.last_level_cache_bytes(root)
+    assert llc == int(l3[:-1]) << (10 if l3.endswith("K") else 20)
+    assert backend.default_read_ahead(llc) is expected
+
+
+def test_read_ahead_when_the_cache_size_is_unknown(tmp_path):
+    from cpu_impl import backend
+    assert backend.last_level_cache_bytes(tmp_path / "missing") is None
+    broken = write_cache_dir(tmp_path / "broken", {"index0": ("x", "48K")})
+    assert backend.last_level_cache_bytes(broken) is None
+    assert backend.default_read_ahead(None) is True
+
+
 def test_empty_batches():
     c = build_case([5], [0], (2, 1), 8, 4, torch.float32)
     out = run_cpu(c)  # a sequence with no query rows: nothing to write, no error
