@@ -215,25 +215,33 @@ def test_model_reads_the_tiles_up_to_the_crossover(monkeypatch):
     assert len(calls) == 2
 
 
+def order_probe(kernel, m: int, one: int, up: int, tie: int, minus: int) -> torch.Tensor:
+    """Row 0 of a Q8_0 block with d = 1 (the other 15 rows zero): q = 1 at k = one, up, tie and
+    -1 at k = minus, against x = 1 at one and minus, 0.75 ulp of 1 at up and 0.5 ulp at tie;
+    returns feature 0 of the m rows in ulps of 1 (2^-23), after checking the zero features."""
+    raw = np.zeros((16, 34), np.uint8)
+    raw[:, 0:2] = np.array([1.0], np.float16).view(np.uint8).reshape(1, 2)
+    q = np.zeros(32, np.int8)
+    q[[one, up, tie]], q[minus] = 1, -1
+    raw[0, 2:] = q.view(np.uint8)
+    blocks = GGUFBlocks("Q8_0", torch.from_numpy(raw), 32)
+    x = torch.zeros(m, 32)
+    x[:, one], x[:, up], x[:, tie], x[:, minus] = 1.0, 3 * 2.0 ** -25, 2.0 ** -24, 1.0
+    y = tiled_linear(x.bfloat16(), pack_tiled(blocks, kernel), kernel)
+    assert (y[:, 1:] == 0).all()
+    return y[:, 0].float() / 2.0 ** -23
+
+
 @pytest.mark.parametrize("m", [1, 4])
 def test_summation_order_is_the_stated_one(portable, m):
     """tiled_matmul.cpp's order, on a block whose result depends on it: pair 0 gives S = 1, pair
     1 adds its odd product (half an ulp of 1: a tie, kept at 1) then its even one (0.75 ulp:
     rounds up), pair 2 subtracts 1, leaving one ulp of 1. In two chains (fewer than 4 rows, and
     every M on AMX) pair 1 sums in its own chain, exactly: 1.25 ulps. Both builds."""
-    raw = np.zeros((16, 34), np.uint8)
-    raw[:, 0:2] = np.array([1.0], np.float16).view(np.uint8).reshape(1, 2)
-    q = np.zeros(32, np.int8)
-    q[[0, 2, 3]], q[4] = 1, -1
-    raw[0, 2:] = q.view(np.uint8)
-    blocks = GGUFBlocks("Q8_0", torch.from_numpy(raw), 32)
-    x = torch.zeros(m, 32)
-    x[:, 0], x[:, 2], x[:, 3], x[:, 4] = 1.0, 3 * 2.0 ** -25, 2.0 ** -24, 1.0
     for kernel in (None, portable):
         two_chains = m < 4 or (kernel is None and on_amx())
-        y = tiled_linear(x.bfloat16(), pack_tiled(blocks, kernel), kernel)
-        ulps = 1.25 if two_chains else 1.0
-        assert (y[:, 0].float() == ulps * 2.0 ** -23).all() and (y[:, 1:] == 0).all()
+        assert (order_probe(kernel, m, one=0, up=2, tie=3, minus=4)
+                == (1.25 if two_chains else 1.0)).all()
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
@@ -241,14 +249,5 @@ def test_odd_product_of_a_pair_comes_first_in_every_chain(portable, m):
     """Within a chain a pair adds its odd product first: chain 0 of Q8_0 (the even pairs in both
     orders) holds 1, then pair 2's odd product (half an ulp: a tie, kept at 1) and its even one
     (0.75 ulp: rounds up), then pair 4's -1: one ulp (two ulps the other way round)."""
-    raw = np.zeros((16, 34), np.uint8)
-    raw[:, 0:2] = np.array([1.0], np.float16).view(np.uint8).reshape(1, 2)
-    q = np.zeros(32, np.int8)
-    q[[0, 4, 5]], q[8] = 1, -1
-    raw[0, 2:] = q.view(np.uint8)
-    blocks = GGUFBlocks("Q8_0", torch.from_numpy(raw), 32)
-    x = torch.zeros(m, 32)
-    x[:, 0], x[:, 4], x[:, 5], x[:, 8] = 1.0, 3 * 2.0 ** -25, 2.0 ** -24, 1.0
     for kernel in (None, portable):
-        y = tiled_linear(x.bfloat16(), pack_tiled(blocks, kernel), kernel)
-        assert (y[:, 0].float() == 2.0 ** -23).all() and (y[:, 1:] == 0).all()
+        assert (order_probe(kernel, m, one=0, up=4, tie=5, minus=8) == 1.0).all()
