@@ -1,38 +1,46 @@
-"""Decode attention call as in the batch-16 step: 16 seqs x ~270 tokens, 9 q heads / 3 kv, d 64,
-bf16, block 16; per-layer caches rotated over 30 layers (cold like a step) and hot (one layer)."""
-import sys, time, torch
-import paged_kernels
+"""One decode attention call as in the batch-16 step (16 sequences x 270 tokens, 9 query heads
+over 3 KV heads of 64, bf16, block size 16, a random block table), with and without the cpu
+backend's read-ahead: "cold" rotates 30 layers' caches (as a step reads them), "hot" reuses one.
+Usage: python attention_call.py THREADS"""
+
+import sys
+import time
+
+import torch
+
+import cpu_impl.backend as cpu_backend
 from paged_kernels import attention
-import cpu_impl.backend as cb
-torch.manual_seed(0)
-threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-torch.set_num_threads(threads)
-S, H, KVH, D, BS, L = 16, 9, 3, 64, 16, 30
-ctx = 270
-nb_per = (ctx + BS - 1) // BS
-num_blocks = S * nb_per + 8
-layers = []
-for l in range(L):
-    k = torch.randn(num_blocks, KVH, BS, D, dtype=torch.bfloat16)
-    v = torch.randn(num_blocks, KVH, BS, D, dtype=torch.bfloat16)
-    layers.append((k, v))
-bt = torch.randperm(num_blocks)[: S * nb_per].view(S, nb_per).int()
-seq_lens = torch.full((S,), ctx, dtype=torch.int32)
-q = torch.randn(S, H, D, dtype=torch.bfloat16)
-def call(k, v):
-    return attention.paged_attention(q, k, v, bt, seq_lens, scale=D ** -0.5, backend="cpu")
-for mode in ("cold", "hot"):
-    for ra in (True, False):
-        cb.read_ahead = ra
-        for _ in range(2):
-            for k, v in layers: call(k, v)
-        ts = []
-        for _ in range(5):
-            t = time.perf_counter()
-            for i in range(L):
-                k, v = layers[i] if mode == "cold" else layers[0]
-                call(k, v)
-            ts.append((time.perf_counter() - t) / L)
-        dt = sorted(ts)[len(ts)//2]
-        kv_bytes = S * ctx * KVH * D * 2 * 2
-        print(f"{mode} read_ahead={ra}: {dt*1e6:.0f} us/call, {kv_bytes/dt/1e9:.1f} GB/s, x30 = {dt*30*1e3:.1f} ms")
+
+SEQS, HEADS, KV_HEADS, HEAD_SIZE, BLOCK, LAYERS, CONTEXT = 16, 9, 3, 64, 16, 30, 270
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    per_seq = (CONTEXT + BLOCK - 1) // BLOCK
+    num_blocks = SEQS * per_seq + 8
+    shape = (num_blocks, KV_HEADS, BLOCK, HEAD_SIZE)
+    layers = [(torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16))
+              for _ in range(LAYERS)]
+    tables = torch.randperm(num_blocks)[: SEQS * per_seq].view(SEQS, per_seq).int()
+    seq_lens = torch.full((SEQS,), CONTEXT, dtype=torch.int32)
+    q = torch.randn(SEQS, HEADS, HEAD_SIZE, dtype=torch.bfloat16)
+    kv_bytes = SEQS * CONTEXT * KV_HEADS * HEAD_SIZE * 2 * 2
+    for mode in ("cold", "hot"):
+        for on in (True, False):
+            cpu_backend.read_ahead = on
+            times = []
+            for sweep in range(7):
+                t = time.perf_counter()
+                for i in range(LAYERS):
+                    k, v = layers[i] if mode == "cold" else layers[0]
+                    attention.paged_attention(q, k, v, tables, seq_lens, scale=HEAD_SIZE ** -0.5,
+                                              backend="cpu")
+                if sweep >= 2:  # two warm-up sweeps
+                    times.append((time.perf_counter() - t) / LAYERS)
+            s = sorted(times)[len(times) // 2]
+            print(f"{mode} read_ahead={on}: {s * 1e6:.0f} us/call, {kv_bytes / s / 1e9:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
