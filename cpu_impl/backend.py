@@ -47,6 +47,8 @@ QUERY_TILE = 16
 #: faster with the read-ahead on 2-core Zen 3 and Zen 4 machines with 32 MiB of L3, slower on a
 #: 2-core Xeon with 105 MiB (docs/cpu.md).
 READ_AHEAD_MAX_LLC = 64 << 20
+#: sysfs cache size suffixes.
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def last_level_cache_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -59,8 +61,7 @@ def last_level_cache_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/
             size = (index / "size").read_text().strip()
         except (OSError, ValueError):
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        num = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size)
+        num = int(size[:-1]) * _SIZE_UNITS[size[-1]] if size[-1:] in _SIZE_UNITS else int(size)
         if best is None or level > best[0]:
             best = (level, num)
     return None if best is None else best[1]

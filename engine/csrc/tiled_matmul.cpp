@@ -45,6 +45,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -228,6 +229,32 @@ inline __m512 dp_bcast(__m512 s, __m512i w, const uint16_t* x) {
   return s;
 }
 
+// Asks for the `bytes` bytes at `at`, one line at a time, into the cache level `hint` names.
+template <int HINT>
+inline void prefetch_bytes(const uint8_t* at, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(at + off), static_cast<_mm_hint>(HINT));
+}
+
+// The two weight vectors of Q4_1 chunk c (32 bytes at `chunk`): pairs c (low nibbles) and c + 8
+// (high), words 2j + h = q[j, 2p + h] as exact bf16.
+inline void q4_vectors(const uint8_t* chunk, __m512i table, __m512i& lo, __m512i& hi) {
+  const __m512i words =
+      _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+  lo = _mm512_permutexvar_epi16(words, table);
+  hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+}
+
+// The weight vector of Q8_0 pair p (32 bytes at `chunk`): words 2j + h = q[j, 2p + h] as
+// exact bf16 (|q| <= 128).
+inline __m512i q8_vector(const uint8_t* chunk) {
+  const __m512 e = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk))));
+  const __m512 o = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(o, e);  // words 0..15 from e, 16..31 from o
+}
+
 // Rows m0..m0+MT of tile t: MT float32 accumulators of 16 features (and the block sums S, in
 // CH chains) stay in registers across the K blocks. `unpacked` (null: unpack in registers only):
 // the tile's weight vectors, K/2 of them, written by the first group (`fresh`) and read by the
@@ -242,10 +269,8 @@ void tile_simd(const Problem& p, int64_t t, int64_t m0, __m512i* unpacked, bool 
   const uint8_t* base = p.w + t * p.nb * TB;
   for (int64_t b = 0; b < p.nb; ++b) {
     const uint8_t* blk = base + b * TB;
-    if (MT >= 8 && (unpacked == nullptr || fresh)) {  // measured: -15 % at 8-16 rows (gate_up)
-      for (int64_t off = 0; off < TB; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BLOCKS * TB + off), _MM_HINT_T0);
-    }
+    if (MT >= 8 && (unpacked == nullptr || fresh))  // measured: -15 % at 8-16 rows (gate_up)
+      prefetch_bytes<_MM_HINT_T0>(blk + PREFETCH_BLOCKS * TB, TB);
     const uint16_t* xb = p.x + m0 * p.K + b * QK;
     __m512 s[CH][MT];
     for (int c = 0; c < CH; ++c)
@@ -257,10 +282,7 @@ void tile_simd(const Problem& p, int64_t t, int64_t m0, __m512i* unpacked, bool 
           lo = _mm512_load_si512(unpacked + b * PAIRS + c);
           hi = _mm512_load_si512(unpacked + b * PAIRS + c + 8);
         } else {
-          const __m512i words = _mm512_cvtepu8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * c)));
-          lo = _mm512_permutexvar_epi16(words, table);
-          hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+          q4_vectors(blk + 32 * c, table, lo, hi);
           if (unpacked != nullptr) {
             _mm512_store_si512(unpacked + b * PAIRS + c, lo);
             _mm512_store_si512(unpacked + b * PAIRS + c + 8, hi);
@@ -278,12 +300,7 @@ void tile_simd(const Problem& p, int64_t t, int64_t m0, __m512i* unpacked, bool 
         if (unpacked != nullptr && !fresh) {
           w = _mm512_load_si512(unpacked + b * PAIRS + pp);
         } else {
-          const uint8_t* ch = blk + 32 * pp;
-          const __m512 e = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch))));
-          const __m512 o = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16))));
-          w = (__m512i)_mm512_cvtne2ps_pbh(o, e);  // words 0..15 from e, 16..31 from o
+          w = q8_vector(blk + 32 * pp);
           if (unpacked != nullptr) _mm512_store_si512(unpacked + b * PAIRS + pp, w);
         }
         const int c = CH == 2 ? pp % 2 : 0;
@@ -383,6 +400,10 @@ inline int64_t amx_groups(int64_t M) { return (M + AMX_ROWS - 1) / AMX_ROWS; }
 inline int64_t group_rows(int64_t M, int64_t groups, int64_t g) {
   return M / groups + (g < M % groups ? 1 : 0);
 }
+// The first row of group g (the sizes of groups 0..g-1 summed).
+inline int64_t group_start(int64_t M, int64_t groups, int64_t g) {
+  return g * (M / groups) + std::min(g, M % groups);
+}
 // k of product j (0..15) of chain c of a block, in the two-chain order.
 inline int chain_k(int qtype, int c, int j) {
   return 2 * pair_at(qtype, 2, 8 * c + j / 2) + 1 - j % 2;
@@ -390,16 +411,24 @@ inline int chain_k(int qtype, int c, int j) {
 
 // xa for group g, block b: an A tile [16 rows][16 slots][2], slot j of row r holding
 // x[m0 + r, 32 b + chain_k(c, j)] in element c.
+// Word 2j + c of a slot row holds x word chain_k(qtype, c, j): the vpermw index of amx_stage.
+const uint16_t* amx_order(int qtype) {
+  struct alignas(64) Order { uint16_t words[QK]; };
+  static const std::array<Order, 2> orders = [] {
+    std::array<Order, 2> o{};
+    for (int q = 0; q < 2; ++q)
+      for (int j = 0; j < PAIRS; ++j)
+        for (int c = 0; c < 2; ++c) o[q].words[2 * j + c] = static_cast<uint16_t>(chain_k(q, c, j));
+    return o;
+  }();
+  return orders[qtype].words;
+}
+
 void amx_stage(const Problem& p, int64_t groups, int64_t i, uint16_t* xa) {
   const int64_t g = i / p.nb, b = i % p.nb;
-  int64_t m0 = 0;
-  for (int64_t h = 0; h < g; ++h) m0 += group_rows(p.M, groups, h);
-  const int64_t mt = group_rows(p.M, groups, g);
+  const int64_t m0 = group_start(p.M, groups, g), mt = group_rows(p.M, groups, g);
   uint16_t* out = xa + i * AMX_TILE;
-  alignas(64) uint16_t order[QK];  // word 2j + c of a slot row <- x word chain_k(c, j)
-  for (int j = 0; j < PAIRS; ++j)
-    for (int c = 0; c < 2; ++c) order[2 * j + c] = static_cast<uint16_t>(chain_k(p.qtype, c, j));
-  const __m512i idx = _mm512_load_si512(order);
+  const __m512i idx = _mm512_load_si512(amx_order(p.qtype));
   for (int64_t r = 0; r < AMX_ROWS; ++r) {
     const __m512i v = r < mt ? _mm512_permutexvar_epi16(
                                    idx, _mm512_loadu_si512(p.x + (m0 + r) * p.K + b * QK))
@@ -424,29 +453,17 @@ void amx_unpack(const Problem& p, int64_t t, __m512i* wb) {
   const uint8_t* base = p.w + t * p.nb * TB;
   for (int64_t b = 0; b < p.nb; ++b) {
     const uint8_t* blk = base + b * TB;
-    for (int64_t off = 0; off < TB; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BLOCKS * TB + off), _MM_HINT_T0);
+    prefetch_bytes<_MM_HINT_T0>(blk + PREFETCH_BLOCKS * TB, TB);
     __m512i* out = wb + b * PAIRS;
     if (QTYPE == 0) {
       for (int c = 0; c < 8; ++c) {  // chain 0: p = c (low nibbles), chain 1: c + 8 (high)
-        const __m512i words = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * c)));
-        amx_slots(_mm512_permutexvar_epi16(words, table),
-                  _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table), out + 2 * c);
+        __m512i lo, hi;
+        q4_vectors(blk + 32 * c, table, lo, hi);
+        amx_slots(lo, hi, out + 2 * c);
       }
     } else {
-      for (int i = 0; i < 8; ++i) {  // chain 0: p = 2i, chain 1: p = 2i + 1
-        __m512i w[2];
-        for (int c = 0; c < 2; ++c) {
-          const uint8_t* ch = blk + 32 * (2 * i + c);
-          const __m512 e = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch))));
-          const __m512 o = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ch + 16))));
-          w[c] = (__m512i)_mm512_cvtne2ps_pbh(o, e);
-        }
-        amx_slots(w[0], w[1], out + 2 * i);
-      }
+      for (int i = 0; i < 8; ++i)  // chain 0: p = 2i, chain 1: p = 2i + 1
+        amx_slots(q8_vector(blk + 64 * i), q8_vector(blk + 64 * i + 32), out + 2 * i);
     }
   }
 }
@@ -498,8 +515,7 @@ void tile_amx(const Problem& p, int64_t t, int64_t m0, const uint16_t* xa, const
     if (b + 3 < p.nb) TM_AMX_BLOCK(1, 4, 5, b + 3);
     if (next != nullptr) {  // the next tile's blocks b, b + 1 into L2 while this one computes
       constexpr int64_t TB = QTYPE == 0 ? Q4_TB : Q8_TB;
-      for (int64_t off = 0; off < (second ? 2 : 1) * TB; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + b * TB + off), _MM_HINT_T1);
+      prefetch_bytes<_MM_HINT_T1>(next + b * TB, (second ? 2 : 1) * TB);
     }
     amx_apply<QTYPE, MT>(p, t, b, m0, c0, acc);
     if (second) amx_apply<QTYPE, MT>(p, t, b + 1, m0, c1, acc);
@@ -573,6 +589,19 @@ void matmul_share(const Problem& p, int64_t id, int64_t n) {
 }
 
 
+// This thread's share of the call: on AMX when x was staged for it (`xa`), else matmul_share.
+void thread_share(const Problem& p, const uint16_t* xa) {
+#if defined(TM_AMX)
+  if (xa != nullptr) {
+    amx_share(p, omp_get_thread_num(), omp_get_num_threads(), xa);
+    return;
+  }
+#else
+  (void)xa;
+#endif
+  matmul_share(p, omp_get_thread_num(), omp_get_num_threads());
+}
+
 void block_sums(const Problem& p, int64_t i, float* sx) {
   const int64_t r = i / p.nb, b = i % p.nb;  // read row-major, write block-major
 #if defined(TM_SIMD)
@@ -617,33 +646,30 @@ int tiled_linear(const uint16_t* x, const uint8_t* packed, int qtype, uint16_t* 
   const Problem p{packed, x, sx.data(), y, M, N, K, nb, qtype};
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, num_tiles(N))));
   float* sums = sx.data();
+  uint16_t* xa = nullptr;  // the staged x of every group: the call runs on AMX
+  [[maybe_unused]] int64_t groups = 0;
 #if defined(TM_AMX)
   if (M >= AMX_MIN_ROWS && amx_granted()) {
-    const int64_t groups = amx_groups(M);
+    groups = amx_groups(M);
     thread_local std::vector<Vector> staged;  // 64 bytes = one A-tile row
     if (static_cast<int64_t>(staged.size()) < groups * nb * AMX_ROWS)
       staged.resize(groups * nb * AMX_ROWS);
-    uint16_t* xa = reinterpret_cast<uint16_t*>(staged.data());
-#pragma omp parallel num_threads(n)
-    {
-      if (qtype == 0) {
-#pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < M * nb; ++i) block_sums(p, i, sums);
-      }
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < groups * nb; ++i) amx_stage(p, groups, i, xa);
-      amx_share(p, omp_get_thread_num(), omp_get_num_threads(), xa);  // after the barrier
-    }
-    return 0;
+    xa = reinterpret_cast<uint16_t*>(staged.data());
   }
 #endif
 #pragma omp parallel num_threads(n)
   {
     if (qtype == 0) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
       for (int64_t i = 0; i < M * nb; ++i) block_sums(p, i, sums);
     }
-    matmul_share(p, omp_get_thread_num(), omp_get_num_threads());  // after the for's barrier
+#if defined(TM_AMX)
+#pragma omp for schedule(static)  // its barrier also ends the block sums
+    for (int64_t i = 0; i < groups * nb; ++i) amx_stage(p, groups, i, xa);
+#else
+#pragma omp barrier  // the block sums first
+#endif
+    thread_share(p, xa);
   }
   return 0;
 }
