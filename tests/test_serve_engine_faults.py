@@ -164,10 +164,10 @@ async def _complete(engine: AsyncEngine, request_id: str) -> int:
     return deltas[-1].num_output_tokens
 
 
-async def _two_in_flight(engine: AsyncEngine) -> list[Any]:
-    """Two requests past their first delta that cannot finish before the test's fault fires
+async def _in_flight(engine: AsyncEngine, n: int = 2) -> list[Any]:
+    """`n` requests past their first delta that cannot finish before the test's fault fires
     (a fake step takes microseconds: a thousand of them can run before the test goes on)."""
-    streams = [await engine.add(f"r{i}", [1, 2], _params(10 ** 6)) for i in range(2)]
+    streams = [await engine.add(f"r{i}", [1, 2], _params(10 ** 6)) for i in range(n)]
     for stream in streams:
         await _first_delta(stream)
     return streams
@@ -181,7 +181,7 @@ def test_step_exception_fails_in_flight_and_keeps_the_loop():
     async def run() -> None:
         fake = FakeEngine()
         engine = await _started(fake)
-        streams = await _two_in_flight(engine)
+        streams = await _in_flight(engine)
         thread = engine._thread
         fake.fail_step = RuntimeError("injected")
         for stream in streams:
@@ -201,7 +201,7 @@ def test_base_exception_kills_the_thread_and_the_supervisor_restarts_it(monkeypa
     async def run() -> None:
         fake = FakeEngine()
         engine = await _started(fake)
-        streams = await _two_in_flight(engine)
+        streams = await _in_flight(engine)
         dead = engine._thread
         fake.fail_step = Fault()
         await asyncio.to_thread(dead.join, 5)
@@ -268,8 +268,7 @@ def test_close_ends_requests_in_flight_and_refuses_new_ones():
     async def run() -> None:
         fake = FakeEngine()
         engine = await _started(fake)
-        stream = await engine.add("r", [1, 2], _params(1000))
-        await _first_delta(stream)
+        [stream] = await _in_flight(engine, 1)
         engine.close(APIError(503, "shutting down"))
         with pytest.raises(APIError, match="shutting down"):
             async for _ in stream:
