@@ -10,10 +10,11 @@ tokens whatever else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from engine.model import layer_ops
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarState, apply_grammar_masks
 
@@ -61,25 +62,33 @@ class Sampler:
                              f"state), got shape {tuple(logits.shape)}")
         logits = logits.float()
         x = self.processed_logits(logits, states)
+        # the raw logits' argmax and log-sum-exp in one read: the greedy choice where nothing
+        # changed the logits, and every chosen token's log-probability (no log-softmax of
+        # every row: only rows that ask for top log-probabilities get one)
+        raw_best, lse = layer_ops.argmax_logsumexp(logits)
         params = [s.params for s in states]
         chosen = torch.empty(len(states), dtype=torch.long)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        for subset, pick in ((greedy, self._greedy), (rows, self._random)):
+        greedy_pick = self._raw_greedy(raw_best) if x is logits else self._greedy
+        for subset, pick in ((greedy, greedy_pick), (rows, self._random)):
             if len(subset) == len(states):
                 chosen = pick(x, subset, states)
             elif subset:
                 chosen[subset] = pick(x[subset], subset, states)
-        # log_softmax, not logits - logsumexp: one vectorised pass instead of three
-        logprobs = torch.log_softmax(logits, dim=-1)
         token_ids = chosen.tolist()
-        chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
-        top = top_logprobs(logprobs, params, token_ids, chosen_lp)
+        chosen_lp = (logits.gather(1, chosen[:, None]).squeeze(1) - lse).tolist()
+        top = top_logprobs(logits, params, token_ids, chosen_lp, lse)
         return SamplerOutput(token_ids, chosen_lp, top)
 
     @staticmethod
     def _greedy(x: torch.Tensor, rows: list[int], states: list[SamplingState]) -> torch.Tensor:
         return argmax(x)
+
+    @staticmethod
+    def _raw_greedy(best: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """The greedy pick when `x` is the raw logits: their argmax, already found."""
+        return lambda x, rows, states: best[rows]
 
     @staticmethod
     def _random(x: torch.Tensor, rows: list[int], states: list[SamplingState]) -> torch.Tensor:
@@ -289,10 +298,11 @@ def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
 
 
 def top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams],
-                  token_ids: list[int], chosen_lp: list[float]
-                  ) -> list[Optional[dict[int, float]]]:
-    """For rows with `logprobs=n`: the n best raw log-probabilities (`logprobs` is the raw
-    logits' log-softmax) plus the chosen token's."""
+                  token_ids: list[int], chosen_lp: list[float],
+                  lse: Optional[torch.Tensor] = None) -> list[Optional[dict[int, float]]]:
+    """For rows with `logprobs=n`: the n best raw log-probabilities plus the chosen token's.
+    `logprobs` is the raw logits' log-softmax, or, with `lse` (each row's log-sum-exp), the raw
+    logits themselves (their top n, minus `lse`)."""
     wanted = [p.logprobs for p in params]
     result: list[Optional[dict[int, float]]] = [None] * len(params)
     k = max((n for n in wanted if n is not None), default=None)
@@ -300,6 +310,8 @@ def top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams],
         return result
     if k:
         values, ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+        if lse is not None:
+            values = values - lse[:, None]
     for i, n in enumerate(wanted):
         if n is None:
             continue

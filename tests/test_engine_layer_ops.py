@@ -118,3 +118,34 @@ def test_nan_stays_in_its_row(path: str) -> None:
     gate_up[2, 3] = math.nan
     act = layer_ops.silu_mul(gate_up)
     assert torch.isnan(act[2, 3]) and torch.isnan(act).sum() == 1
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (3, 1024), (16, 49152), (5, 3000)])
+def test_argmax_logsumexp_against_float64(path: str, rows: int, vocab: int) -> None:
+    """The sampler's one-read row statistics: the first index of each row's maximum (ties and
+    a maximum in a later chunk included) and log-sum-exp, against float64."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = 8 * torch.randn(rows, vocab, generator=gen)
+    x[0, vocab // 2] = x[0].max() + 3     # the maximum past the first chunk
+    x[0, vocab - 1] = x[0, vocab // 2]    # a tie after it: the first one wins
+    x[-1, :] = x[-1, 0]                   # a row of equal values: index 0
+    best, lse = layer_ops.argmax_logsumexp(x)
+    want_lse = torch.logsumexp(x.double(), dim=-1)
+    want_best = [int((row == row.max()).nonzero()[0]) for row in x]
+    assert best.dtype == torch.int64 and lse.dtype == torch.float32
+    assert best.tolist() == want_best
+    assert ((lse.double() - want_lse).abs() / want_lse.abs().clamp_min(1)).max() <= 1e-6
+
+
+def test_argmax_logsumexp_nan_and_infinite_rows(path: str) -> None:
+    """A row holding a NaN gets torch's answers; a row of -inf gets -inf; -inf entries weigh 0."""
+    x = torch.randn(4, 2500)
+    x[1, 1700] = math.nan
+    x[2, :] = -math.inf
+    x[3, :2000] = -math.inf
+    best, lse = layer_ops.argmax_logsumexp(x)
+    assert best[1] == 1700 and math.isnan(lse[1])
+    assert lse[2] == -math.inf
+    assert best[3] == 2000 + int(x[3, 2000:].argmax())
+    assert abs(lse[3].item() - torch.logsumexp(x[3, 2000:].double(), 0).item()) < 1e-5
+    assert best[0] == int(x[0].argmax())

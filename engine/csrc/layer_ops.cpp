@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 
 namespace {
 
@@ -129,6 +130,42 @@ void silu_mul_rows(const T* gate_up, int64_t in_stride, T* out, int64_t out_stri
   }
 }
 
+// Row r of float32 x [rows, n]: idx[r] = the first index of the row's maximum, lse[r] =
+// log(sum_i exp(x[r, i])), in one read of the row: each chunk of kLseChunk (in L1) gets a max pass,
+// then an exp-sum pass against the running max m (the sum rescaled by exp(m_old - m) when a chunk
+// raises it). A row that holds a NaN gets lse NaN (the caller takes torch's answer for it); a row
+// of -inf only gets lse -inf and index 0.
+constexpr int64_t kLseChunk = 1024;
+
+void argmax_lse_row(const float* x, int64_t n, int64_t* idx, float* lse) {
+  float m = -INFINITY, sum = 0.0f;
+  int64_t best = 0;
+  int nan = 0;
+  for (int64_t c = 0; c < n; c += kLseChunk) {
+    const int64_t e = std::min(n, c + kLseChunk);
+    float cm = -INFINITY;
+#pragma omp simd reduction(max : cm) reduction(| : nan)
+    for (int64_t i = c; i < e; ++i) {
+      cm = x[i] > cm ? x[i] : cm;
+      nan |= x[i] != x[i];
+    }
+    if (cm > m) {
+      int64_t i = c;
+      while (x[i] != cm) ++i;
+      best = i;
+      sum *= exp_approx(m - cm);  // 0 when m was -inf (clamped to e^-87, times a sum of 0)
+      m = cm;
+    }
+    if (m == -INFINITY) continue;  // nothing finite yet
+    float cs = 0.0f;
+#pragma omp simd reduction(+ : cs)
+    for (int64_t i = c; i < e; ++i) cs += exp_approx(x[i] - m);
+    sum += cs;
+  }
+  *idx = best;
+  *lse = nan ? NAN : (m == -INFINITY ? -INFINITY : m + std::log(sum));
+}
+
 void check_rows(const at::Tensor& t, const char* name, int64_t cols) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.size(1) == cols && t.stride(1) == 1,
               name, ": expected a CPU [rows, ", cols, "] tensor with a contiguous last dim, got ",
@@ -206,6 +243,23 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// (first index of each row's maximum, log-sum-exp of each row) of float32 x [rows, n].
+std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x: expected float32, got ", x.scalar_type());
+  check_rows(x, "x", x.size(-1));
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n > 0, "x: expected at least one column");
+  at::Tensor idx = at::empty({rows}, x.options().dtype(at::kLong));
+  at::Tensor lse = at::empty({rows}, x.options());
+  const float* px = ptr<float>(x);
+  int64_t* pi = ptr<int64_t>(idx);
+  float* pl = ptr<float>(lse);
+  const int64_t stride = x.stride(0);
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) argmax_lse_row(px + r * stride, n, pi + r, pl + r);
+  return {idx, lse};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -214,4 +268,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "rms_norm(residual (+)= x) * weight", nogil);
   m.def("rotary", &rotary, "rotary embedding in place on the first heads", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
+  m.def("argmax_logsumexp", &argmax_logsumexp, "per row: first argmax, log-sum-exp", nogil);
 }

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from paged_kernels.cpp_build import BASE_FLAGS, BuildFailed, load, simd_flags
 
-__all__ = ["add_rms_norm_", "gelu_tanh_mul", "rms_norm", "rotary_", "silu_mul", "native"]
+__all__ = ["add_rms_norm_", "argmax_logsumexp", "gelu_tanh_mul", "rms_norm", "rotary_", "silu_mul",
+           "native"]
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "layer_ops.cpp"
 ENV = "PK_ENGINE_LAYER_OPS"
@@ -112,6 +113,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     return ops.silu_mul(gate_up)
+
+
+def argmax_logsumexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For float32 logits `x` `[N, vocab]`: (the first index of each row's maximum, int64 `[N]`;
+    `log(sum(exp(x)))` of each row, float32 `[N]`), from one read of `x` (the sampler's greedy
+    choice and the chosen token's log-probability `x[i, t] - lse[i]`, without a log-softmax of
+    every row). Rows holding a NaN get torch's answers (`argmax`, `logsumexp`)."""
+    ops = native() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if ops is None or x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] == 0:
+        return x.argmax(dim=-1), torch.logsumexp(x, dim=-1)
+    best, lse = ops.argmax_logsumexp(x)
+    bad = torch.isnan(lse)
+    if bad.any():
+        best[bad], lse[bad] = x[bad].argmax(dim=-1), torch.logsumexp(x[bad], dim=-1)
+    return best, lse
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
