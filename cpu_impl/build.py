@@ -1,8 +1,9 @@
 """Compiles `csrc/paged_attention.cpp` (and the headers it includes) at first use, through the
 build helper every C++ build shares (`paged_kernels.cpp_build`: flags, cache, lock, loader).
 
-SIMD tiers: AVX2 + FMA + F16C, and on top of them AVX-512 F/BW/VL/DQ with BF16's vdpbf16ps when
-/proc/cpuinfo lists all of those too; elsewhere the portable C++ path.
+SIMD tiers: AVX2 + FMA + F16C; on top of them AVX-512 F/BW/VL/DQ with BF16's vdpbf16ps when
+/proc/cpuinfo lists all of those too; on top of that AMX-TILE and AMX-BF16 (Q.K^T on tiles,
+csrc/amx.h) when it lists those; elsewhere the portable C++ path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from paged_kernels.cpp_build import BuildFailed
 __all__ = ["SOURCE", "TIERS", "BuildFailed", "compile_flags", "extension_name", "load"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
-TIERS = ("avx2 + fma + f16c + avx512 + avx512dq + bf16", "avx2 + fma + f16c")
+TIERS = ("avx2 + fma + f16c + avx512 + avx512dq + bf16 + amx",
+         "avx2 + fma + f16c + avx512 + avx512dq + bf16", "avx2 + fma + f16c")
 _PREFIX = "pk_cpu"
 
 

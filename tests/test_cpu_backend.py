@@ -487,3 +487,39 @@ def test_8bit_caches_through_the_api(cache_dtype):
     assert rel_err(results[0][0], want) <= TOL[torch.bfloat16]
     assert rel_err(results[0][1], want_lse) <= TOL[torch.bfloat16]
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.fixture(params=["amx", "vdpbf16ps"])
+def qk_path(request):
+    """Q.K^T of bf16 on AMX tiles (when this build and this CPU have them) or on vdpbf16ps, in
+    the same build; the process-wide switch is restored after."""
+    from cpu_impl import build
+    ext = build.load()
+    if ext.use_amx(request.param == "amx") != (request.param == "amx"):
+        ext.use_amx(True)
+        pytest.skip("AMX is not built in or not granted here")
+    yield ext
+    ext.use_amx(True)
+
+
+@pytest.mark.parametrize("heads,head_size,block_size", [
+    ((9, 3), 64, 16),    # the engine's layout: whole 16-key units on AMX, partial ones not
+    ((32, 8), 128, 32),  # two units per block; four 32-element slices of the head size
+    ((16, 1), 64, 8),    # 16 rows per KV head (the most a C tile holds); units span two blocks
+    ((4, 2), 64, 16),
+])
+def test_bf16_qk_paths_match_the_oracle(qk_path, heads, head_size, block_size):
+    """Decode (all-KV-heads items, a sequence over two 256-key chunks) and varlen (tiles of
+    rows per KV head up to 16 on AMX, more on the transposed path), bf16 and 8-bit caches."""
+    for q_lens in (None, [3, 1, 5, 0]):
+        seq_lens = [1, 37, 300, block_size, 17] if q_lens is None else [5, 1, 80, 9]
+        c = build_case(seq_lens, q_lens, heads, head_size, block_size, torch.bfloat16,
+                       seed=head_size + block_size)
+        want, _ = dense_oracle(c)
+        assert rel_err(run_cpu(c), want) <= TOL[torch.bfloat16]
+    c = build_case([1, 37, 300, 17], None, heads, head_size, block_size, torch.bfloat16)
+    k_scale, v_scale = kv_scales_for(torch.float8_e4m3fn, heads[1])
+    kc, vc, keys, values = quantized_case(c, torch.float8_e4m3fn, k_scale, v_scale)
+    want, _ = attention_oracle(c.query, keys, values, c.q_lens)
+    out = attend_ext(qk_path, c, kc, vc, k_scale, v_scale)
+    assert rel_err(out, want) <= TOL[torch.bfloat16]

@@ -25,6 +25,7 @@
 
 #include "problem.h"
 #include "simd.h"
+#include "amx.h"
 
 namespace {
 
@@ -66,13 +67,15 @@ struct Scratch {
   std::vector<const float*> kfp, vfp;  // rows of kf / vf
   std::vector<uint16_t> staged;        // an 8-bit cache's unit of K or V rows as bf16 (UNIT_KEYS)
   std::vector<const at::BFloat16*> sp; // rows of staged, by key index in the chunk (KEY_CHUNK)
+  std::vector<uint32_t, AlignedAlloc<uint32_t>> qt;  // AMX B tiles of the queries (amx_scores)
+  std::vector<float, AlignedAlloc<float>> cbuf;      // one stored AMX C tile: 16 x 16 float32
   Scratch(int rows, int d, int heads)
       : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows), l(rows),
         kf(WIDENED_CHUNK * d), vf(WIDENED_CHUNK * d), qraw(rows * d), wb(rows * KEY_CHUNK),
         kt(d / 2 * 16), pos(rows), vis(2 * rows),
         kp(KEY_CHUNK * heads), vp(KEY_CHUNK * heads), kfp(WIDENED_CHUNK),
         vfp(WIDENED_CHUNK), staged(is_8bit_cache<C>() ? UNIT_KEYS * d : 0),
-        sp(is_8bit_cache<C>() ? KEY_CHUNK : 0) {}
+        sp(is_8bit_cache<C>() ? KEY_CHUNK : 0), qt(rows * d / 2), cbuf(16 * 16) {}
 };
 
 // This thread's Scratch, reused from call to call (no allocation per call: OpenMP's threads
@@ -102,7 +105,7 @@ class ItemKernel {
              Scratch<T, C>& sc)
       : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
         g_(p.group()), rh_(static_cast<int>(it.rows) * g_), nh_(it.kv_heads), rows_(rh_ * nh_),
-        pairs_(uses_pairs(p)) {}
+        pairs_(uses_pairs(p)), amx_(pairs_ && rh_ <= 16 && amx_active()) {}
 
   // Whether Q.K and P.V run on vdpbf16ps (dot_scores, accumulate_pairs): a bf16 query and a bf16
   // or 8-bit cache (its rows staged as bf16 unit by unit, stage_bf16), d % 32 == 0, on the
@@ -119,6 +122,12 @@ class ItemKernel {
 
   void run() {
     load_queries();
+#if defined(PK_AMX)
+    if (amx_) {
+      amx_configure_scores(rh_);
+      stage_query_tiles();
+    }
+#endif
     int64_t lo, hi;  // keys [lo, hi) visible to at least one row
     key_range(lo, hi);
     // The first chunk's lines are requested up front. On the vdpbf16ps path (pairs_) later chunks
@@ -134,6 +143,9 @@ class ItemKernel {
       chunk(c, c1);
     }
     store();
+#if defined(PK_AMX)
+    if (amx_) _tile_release();
+#endif
   }
 
  private:
@@ -314,6 +326,9 @@ class ItemKernel {
 #if defined(PK_AVX512)
     if constexpr (std::is_same_v<S, at::BFloat16> && std::is_same_v<T, at::BFloat16>) {
       if (d_ % 32 != 0) return false;
+#if defined(PK_AMX)
+      if (amx_ && amx_scores(hh, krows, j0, j1)) return true;
+#endif
       const int first = hh * rh_;
       if (rh_ > 4 && j1 - j0 <= UNIT_KEYS) {  // many rows (prefill): transpose K once, reuse it
         transposed_scores(first, krows, j0, j1);
@@ -410,6 +425,55 @@ class ItemKernel {
       _mm512_storeu_ps(&sc_.scores[(r0 + i) * KEY_CHUNK + j0],
                        _mm512_mul_ps(_mm512_add_ps(acc[0][i], acc[1][i]), scale));
   }
+
+#if defined(PK_AMX)
+  // The queries as AMX B tiles, per KV head hh and 32-element slice x of the head size: tile row i
+  // holds, for each of the head's rh_ rows, the bf16 pair (q[2i], q[2i + 1]) of the slice.
+  void stage_query_tiles() {
+    const int slices = d_ / 32;
+    uint32_t* qt = sc_.qt.data();
+    for (int hh = 0; hh < nh_; ++hh)
+      for (int x = 0; x < slices; ++x)
+        for (int i = 0; i < 16; ++i)
+          for (int r = 0; r < rh_; ++r) {
+            uint32_t pair;
+            std::memcpy(&pair, &sc_.qraw[(hh * rh_ + r) * d_ + 32 * x + 2 * i], sizeof pair);
+            qt[((hh * slices + x) * 16 + i) * rh_ + r] = pair;
+          }
+  }
+
+  // Scores of KV head hh's rows for a whole unit of 16 keys whose rows are equally spaced (a
+  // block's run, or the staged rows of an 8-bit cache), on AMX: C[key][row] = K rows (A, loaded
+  // straight from the cache) times the staged query pairs (B), one TDPBF16PS per 32 elements of the
+  // head size (exact bf16 products, float32 sums, as vdpbf16ps); then each row's 16 scores are
+  // gathered from the stored C and scaled. Returns false, having done nothing, for a partial unit
+  // or rows that are not equally spaced (dot_rows_bf16 takes those).
+  bool amx_scores(int hh, const at::BFloat16* const* krows, int j0, int j1) {
+    if (j1 - j0 != 16) return false;
+    const at::BFloat16* k0 = krows[j0];
+    const int64_t stride = krows[j0 + 1] - k0;
+    for (int j = 2; j < 16; ++j)
+      if (krows[j0 + j] != k0 + j * stride) return false;
+    const int slices = d_ / 32;
+    const uint32_t* qt = sc_.qt.data() + hh * slices * 16 * rh_;
+    _tile_zero(2);
+    for (int x = 0; x < slices; ++x) {
+      _tile_loadd(0, k0 + 32 * x, stride * static_cast<int64_t>(sizeof(at::BFloat16)));
+      _tile_loadd(1, qt + x * 16 * rh_, 4 * rh_);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    float* c = sc_.cbuf.data();
+    _tile_stored(2, c, 64);
+    const __m512 scale = _mm512_set1_ps(p_.scale * kv_scale(p_.k_scale, hh * rh_));
+    const __m512i column = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+    for (int r = 0; r < rh_; ++r) {
+      const __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(r)), c, 4);
+      _mm512_storeu_ps(&sc_.scores[(hh * rh_ + r) * KEY_CHUNK + j0], _mm512_mul_ps(s, scale));
+    }
+    return true;
+  }
+#endif
 
   // Scaled scores of the NR rows from r0 for keys [j0, j1) (padded to a multiple of 4): each
   // 128-bit half of dots_bf16's results is one row's four keys, one store each.
@@ -704,6 +768,7 @@ class ItemKernel {
   Scratch<T, C>& sc_;
   const int d_, g_, rh_, nh_, rows_;  // rows per KV head, KV heads, rows of the item
   const bool pairs_;  // P.V by accumulate_pairs (acc in pair_column order)
+  const bool amx_;    // Q.K^T of whole 16-key units on AMX tiles (amx_scores)
 };
 
 template <typename T, typename C>

@@ -267,4 +267,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("read_ahead", &read_ahead_sum, "a decode call's K/V read-ahead alone (read_ahead.h)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("use_amx", [](bool on) { amx_enabled = on; return amx_active(); },
+        "switches Q.K^T on AMX tiles on or off for the process; returns whether it now runs");
 }
