@@ -78,7 +78,7 @@ class Sampler:
                 chosen[subset] = pick(x[subset], subset, states)
         token_ids = chosen.tolist()
         chosen_lp = (logits.gather(1, chosen[:, None]).squeeze(1) - lse).tolist()
-        top = top_logprobs(logits, params, token_ids, chosen_lp, lse)
+        top = top_logprobs(logits, lse, params, token_ids, chosen_lp)
         return SamplerOutput(token_ids, chosen_lp, top)
 
     @staticmethod
@@ -297,21 +297,18 @@ def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     return index.gather(1, x.gather(1, index).argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
-def top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams],
-                  token_ids: list[int], chosen_lp: list[float],
-                  lse: Optional[torch.Tensor] = None) -> list[Optional[dict[int, float]]]:
-    """For rows with `logprobs=n`: the n best raw log-probabilities plus the chosen token's.
-    `logprobs` is the raw logits' log-softmax, or, with `lse` (each row's log-sum-exp), the raw
-    logits themselves (their top n, minus `lse`)."""
+def top_logprobs(logits: torch.Tensor, lse: torch.Tensor, params: list[SamplingParams],
+                 token_ids: list[int], chosen_lp: list[float]) -> list[Optional[dict[int, float]]]:
+    """For rows with `logprobs=n`: the n best raw log-probabilities (the raw `logits`' top n,
+    minus each row's log-sum-exp `lse`) plus the chosen token's."""
     wanted = [p.logprobs for p in params]
     result: list[Optional[dict[int, float]]] = [None] * len(params)
     k = max((n for n in wanted if n is not None), default=None)
     if k is None:
         return result
     if k:
-        values, ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
-        if lse is not None:
-            values = values - lse[:, None]
+        values, ids = logits.topk(min(k, logits.shape[1]), dim=-1)
+        values = values - lse[:, None]
     for i, n in enumerate(wanted):
         if n is None:
             continue

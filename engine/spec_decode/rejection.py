@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from engine.model import layer_ops
 from engine.sampler import (Sampler, SamplingState, argmax, draw, sampling_probs,
                             top_logprobs)
 from engine.spec_decode.proposer import Proposal
@@ -103,7 +104,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, state: SamplingState,
         p = sampling_probs(x, [params] * x.shape[0])
         tokens = accept_random(p, draft, proposal.probs, state.generator)
     n = len(tokens)
-    raw = torch.log_softmax(logits[:n], dim=-1)
-    chosen = raw.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
-    top = top_logprobs(raw, [params] * n, tokens, chosen)
+    raw = logits[:n]
+    _, lse = layer_ops.argmax_logsumexp(raw)
+    chosen = (raw.gather(1, torch.tensor(tokens)[:, None]).squeeze(1) - lse).tolist()
+    top = top_logprobs(raw, lse, [params] * n, tokens, chosen)
     return Verdict(tokens, chosen, top, n - 1)
