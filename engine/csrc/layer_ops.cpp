@@ -48,8 +48,8 @@ inline void store(uint16_t* p, int64_t i, float v) {
 // 1.5 * 2^23 shifter (adding it leaves the integer part in the mantissa). The upper bound is 80,
 // not 88, because gcc specialises a caller's clamped lanes into constants: with 88,
 // silu_mul's a / (1 + e^88) became a * 6e-39, a subnormal operand in every vector, whose
-// microcode assist made the loop 6x slower (16 x 1536 bf16: 125 against 20 us). 1 / (1 + e^80)
-// is a normal float.
+// microcode assist made the call 5x slower (bench/results/2026-12-03-layer-ops-amx-scores).
+// 1 / (1 + e^80) is a normal float.
 inline float exp_approx(float x) {
   constexpr float kShifter = 12582912.0f;  // 1.5 * 2^23
   x = x < -87.0f ? -87.0f : x;
