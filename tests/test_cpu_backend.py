@@ -489,6 +489,32 @@ def test_8bit_caches_through_the_api(cache_dtype):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", CACHE_8BIT)
+def test_every_8bit_code_reads_as_its_value(cache_dtype, dtype):
+    """All 256 codes of the format (subnormals, the largest binade, inf and NaN codes, -0) as V
+    rows of one-key sequences, so each output row is its V row exactly: equal, bit for bit, to
+    torch's own decoding of the codes (the bf16 staging of the vdpbf16ps paths for a bf16
+    query on AVX-512 BF16, the widened rows for float32)."""
+    head_size = 64
+    num_seqs = 256 // head_size
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(cache_dtype)
+    gen = torch.Generator().manual_seed(11)
+    num_blocks = 3 * num_seqs
+    key_cache = torch.zeros(num_blocks, 1, 16, head_size, dtype=torch.uint8).view(cache_dtype)
+    value_cache = torch.full((num_blocks, 1, 16, head_size), 0x7F,
+                             dtype=torch.uint8).view(torch.int8).view(cache_dtype)
+    block_tables = torch.randperm(num_blocks, generator=gen)[:num_seqs].to(torch.int32)[:, None]
+    value_cache.view(torch.uint8)[block_tables[:, 0].long(), 0, 0] = (
+        codes.view(torch.uint8).view(num_seqs, head_size))
+    query = torch.randn(num_seqs, 1, head_size, generator=gen).to(dtype)
+    out = pk.paged_attention(query, key_cache, value_cache, block_tables,
+                             torch.ones(num_seqs, dtype=torch.int32), k_scale=1.0, v_scale=1.0,
+                             backend="cpu", check=True)
+    want = codes.float().view(num_seqs, 1, head_size).to(dtype)
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.fixture(params=["amx", "vdpbf16ps"])
 def qk_path(request):
     """Q.K^T of bf16 on AMX tiles (when this build and this CPU have them) or on vdpbf16ps, in

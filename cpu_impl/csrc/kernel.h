@@ -65,7 +65,9 @@ struct Scratch {
   std::vector<int> vis;                // per row: the chunk's visible keys [vis[2r], vis[2r + 1])
   std::vector<const C*> kp, vp;        // K/V row pointers of the chunk: KEY_CHUNK per KV head
   std::vector<const float*> kfp, vfp;  // rows of kf / vf
-  std::vector<uint16_t> staged;        // an 8-bit cache's unit of K or V rows as bf16 (UNIT_KEYS)
+  std::vector<uint16_t> staged;        // an 8-bit cache's unit of K or V rows as bf16 (UNIT_KEYS),
+                                       // then one row of zeros (the pads)
+  std::vector<C> zero_row;             // d zero elements: the pad rows of a chunk's K/V pointers
   std::vector<const at::BFloat16*> sp; // rows of staged, by key index in the chunk (KEY_CHUNK)
   std::vector<uint32_t, AlignedAlloc<uint32_t>> qt;  // AMX B tiles of the queries (amx_scores)
   std::vector<float, AlignedAlloc<float>> cbuf;      // one stored AMX C tile: 16 x 16 float32
@@ -74,7 +76,7 @@ struct Scratch {
         kf(WIDENED_CHUNK * d), vf(WIDENED_CHUNK * d), qraw(rows * d), wb(rows * KEY_CHUNK),
         kt(d / 2 * 16), pos(rows), vis(2 * rows),
         kp(KEY_CHUNK * heads), vp(KEY_CHUNK * heads), kfp(WIDENED_CHUNK),
-        vfp(WIDENED_CHUNK), staged(is_8bit_cache<C>() ? UNIT_KEYS * d : 0),
+        vfp(WIDENED_CHUNK), staged(is_8bit_cache<C>() ? (UNIT_KEYS + 1) * d : 0), zero_row(d),
         sp(is_8bit_cache<C>() ? KEY_CHUNK : 0), qt(rows * d / 2), cbuf(16 * 16) {}
 };
 
@@ -200,11 +202,12 @@ class ItemKernel {
         }
       }
     });
-    for (int hh = 0; hh < nh_; ++hh)  // padding for the 8-key score kernels
-      for (int jj = n; jj < (n + 7) / 8 * 8; ++jj) {
-        kp[hh * KEY_CHUNK + jj] = kp[hh * KEY_CHUNK];
-        vp[hh * KEY_CHUNK + jj] = vp[hh * KEY_CHUNK];
-      }
+    // Padding for the 8-key score kernels and the key pairs of P.V: rows of zeros (a pad key's
+    // weight is 0, and 0 x a zero row adds 0 where 0 x an inf in a real row would add NaN).
+    const C* zero = sc_.zero_row.data();
+    for (int hh = 0; hh < nh_; ++hh)
+      for (int jj = n; jj < (n + 7) / 8 * 8; ++jj)
+        kp[hh * KEY_CHUNK + jj] = vp[hh * KEY_CHUNK + jj] = zero;
   }
 
   // Calls f(jj, run, k, v) for each block's run of positions [c0 + jj, c0 + jj + run) within
@@ -296,9 +299,10 @@ class ItemKernel {
 
   // The rows [j0, j1) of krows (or vrows) for the vdpbf16ps paths (called only when pairs_):
   // themselves for a bf16 cache; for an 8-bit cache, converted to bf16 into sc_.staged (at most
-  // UNIT_KEYS rows, one unit of chunk()) and returned as sc_.sp, padded with the first row to a
-  // multiple of 4 keys (the 4-key and 2-key steps of dots_bf16 and accumulate_pairs). The
-  // conversion reads each K or V row once for every row of the GQA group and the tile.
+  // UNIT_KEYS rows, one unit of chunk()) and returned as sc_.sp, padded with the row of zeros
+  // after them to a multiple of 4 keys (the 4-key and 2-key steps of dots_bf16 and
+  // accumulate_pairs). The conversion reads each K or V row once for every row of the GQA group
+  // and the tile.
   template <typename S>
   auto bf16_rows(const S* const* rows, int j0, int j1) {
 #if defined(PK_AVX512)
@@ -308,7 +312,8 @@ class ItemKernel {
       codes_to_bf16(rows + j0, j1 - j0, d_, staged);
       const at::BFloat16* base = reinterpret_cast<const at::BFloat16*>(staged);
       for (int jj = j0; jj < j1; ++jj) sc_.sp[jj] = base + (jj - j0) * d_;
-      for (int jj = j1; jj < std::min(KEY_CHUNK, (j1 + 3) / 4 * 4); ++jj) sc_.sp[jj] = base;
+      const at::BFloat16* zero = base + UNIT_KEYS * d_;
+      for (int jj = j1; jj < std::min(KEY_CHUNK, (j1 + 3) / 4 * 4); ++jj) sc_.sp[jj] = zero;
       return static_cast<const at::BFloat16* const*>(sc_.sp.data());
     } else
 #endif
@@ -560,7 +565,7 @@ class ItemKernel {
   // (float32) sum. In place as float32, or, on the vdpbf16ps P.V path (pairs_), rounded to bf16
   // into wb (as GPU flash attention rounds P for its P.V matrix product: relative error 2^-9 per
   // weight; l and the accumulators stay float32), the whole KEY_CHUNK row cleared first, so the
-  // pad key of an odd n adds 0 x a finite row.
+  // pad key of an odd n adds 0 x a row of zeros.
   float weights(int r, int a, int b, int n, float shift) {
     float* s = &sc_.scores[r * KEY_CHUNK];
 #if defined(PK_AVX512)
