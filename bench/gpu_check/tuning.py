@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.gpu_check.logged import run_logged
@@ -80,19 +82,35 @@ def _pytest(args: list[str], extra_env: dict[str, str], log: Path, title: str,
 
 
 def settings_conformance(out: Path, deadline: float, smoke: bool, env: dict) -> list[dict]:
-    """One conformance run per planner setting (see the module docstring)."""
-    results = []
+    """One conformance run per planner setting (see the module docstring). On the GPU the runs
+    go one after another, each spread over the device by xdist; in the CPU smoke run, whose
+    runs are mostly start-up on one core, two at a time, each into its own log, the logs then
+    appended to settings.log in the settings' order."""
     parallel = ["-n", "8"] if not smoke and _has_xdist() else []
-    for settings in planner_settings():
+    settings_list = planner_settings()
+    scratch = Path(tempfile.mkdtemp(prefix="pk_settings_")) if smoke else None
+
+    def one(i: int) -> dict:
+        settings = settings_list[i]
         name = ",".join(f"{k.removeprefix('PAGED_KERNELS_CUDA_')}={v}"
                         for k, v in settings.items())
         left = _remaining(deadline)
         if left < MIN_STEP_SECONDS:
-            results.append({"setting": name, "skipped": "out of time"})
-            continue
+            return {"setting": name, "skipped": "out of time"}
+        log = out / "settings.log" if scratch is None else scratch / f"{i}.log"
         run = _pytest(["tests/test_conformance.py", "-k", selection(settings, smoke), *parallel],
-                      settings, out / "settings.log", name, min(left, 120), env)
-        results.append({"setting": name, **run})
+                      settings, log, name, min(left, 120), env)
+        return {"setting": name, **run}
+
+    with ThreadPoolExecutor(max_workers=2 if smoke else 1) as pool:
+        results = list(pool.map(one, range(len(settings_list))))
+    if scratch is not None:
+        with open(out / "settings.log", "a") as f:
+            for i in range(len(settings_list)):
+                part = scratch / f"{i}.log"
+                if part.exists():
+                    f.write(part.read_text(errors="replace"))
+        shutil.rmtree(scratch, ignore_errors=True)
     return results
 
 
