@@ -68,6 +68,22 @@ def test_engine_kernels_share_the_scalar_header():
         assert [p.name for p in local_headers(csrc / name)] == ["gguf_scalars.h"]
 
 
+def test_amx_kernels_share_one_tile_header():
+    """The two AMX users (the cpu backend's attention, the engine's tiled matmul) take the
+    permission request and the tile configuration record from paged_kernels/csrc/amx_tiles.h,
+    which each build key covers; neither defines its own."""
+    root = Path(__file__).resolve().parent.parent
+    shared = root / "paged_kernels" / "csrc" / "amx_tiles.h"
+    for source in (root / "cpu_impl" / "csrc" / "paged_attention.cpp",
+                   root / "engine" / "csrc" / "tiled_matmul.cpp"):
+        headers = local_headers(source)
+        assert shared in headers
+        for path in [source, *headers]:
+            if path != shared:
+                text = path.read_text()
+                assert "arch_prctl" not in text and "struct alignas(64) TileConfig" not in text
+
+
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path: Path):
     """torch waits for ever while its build lock file exists; a build killed mid-way leaves
     one. `load` holds its own flock (released when a process dies) and, under it, removes the

@@ -273,13 +273,15 @@ def test_build_flags_follow_the_cpu(tmp_path: Path):
 
 
 def test_the_build_key_covers_the_kernel_headers():
-    """The kernel is one translation unit over the headers next to it: editing any of them must
-    rebuild it (cpp_build.extension_name hashes the local headers)."""
+    """The kernel is one translation unit over the headers next to it and the shared AMX header
+    of paged_kernels/csrc: editing any of them must rebuild it (cpp_build.extension_name hashes
+    the local headers)."""
     from cpu_impl import build
     from paged_kernels.cpp_build import local_headers
-    names = {p.name for p in local_headers(build.SOURCE)}
-    assert names == {p.name for p in build.SOURCE.parent.glob("*.h")}
-    assert {"simd.h", "problem.h", "kernel.h", "read_ahead.h"} <= names
+    shared = Path(pk.__file__).resolve().parent / "csrc" / "amx_tiles.h"
+    headers = set(local_headers(build.SOURCE))
+    assert headers == set(build.SOURCE.parent.glob("*.h")) | {shared}
+    assert {"simd.h", "problem.h", "kernel.h", "read_ahead.h"} <= {p.name for p in headers}
 
 
 @pytest.mark.parametrize("cpu", ["portable", "avx2"])

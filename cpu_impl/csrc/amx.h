@@ -8,8 +8,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(PK_AVX512)
 #define PK_AMX 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "../../paged_kernels/csrc/amx_tiles.h"
 #endif
 
 namespace {
@@ -19,24 +19,11 @@ namespace {
 bool amx_enabled = true;
 
 #if defined(PK_AMX)
-// Whether Linux lets this process use AMX tile data (asked once: arch_prctl).
-bool amx_granted() {
-  static const bool granted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
-
 // The scores' tiles for `cols` query rows (1..16): tile 0 = A, 16 keys x 32 K elements (bf16);
 // tile 1 = B, 16 pairs of head-size elements x `cols` query rows; tile 2 = C, 16 keys x `cols`
 // float32 scores.
 inline void amx_configure_scores(int cols) {
-  struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } c;
+  pk_amx::TileConfig c;
   c.colsb[0] = 64;
   c.colsb[1] = c.colsb[2] = static_cast<uint16_t>(4 * cols);
   c.rows[0] = c.rows[1] = c.rows[2] = 16;
@@ -47,7 +34,7 @@ inline void amx_configure_scores(int cols) {
 // Whether this build runs Q.K^T on AMX tiles now (compiled in, switched on, granted).
 inline bool amx_active() {
 #if defined(PK_AMX)
-  return amx_enabled && amx_granted();
+  return amx_enabled && pk_amx::granted();
 #else
   return false;
 #endif

@@ -59,8 +59,8 @@
 #include <immintrin.h>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "../../paged_kernels/csrc/amx_tiles.h"
 #endif
 #endif
 
@@ -371,24 +371,9 @@ constexpr int AMX_ROWS = 16;              // rows of an A / C tile
 constexpr int AMX_MIN_ROWS = CHAIN_ROWS;  // fewer rows: tile_simd (the same bits)
 constexpr int64_t AMX_TILE = AMX_ROWS * QK;  // uint16 of one A (or B) tile: 16 x 32
 
-// Whether this process may use AMX tile data (Linux asks once per process: arch_prctl).
-bool amx_granted() {
-  static const bool granted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-5, each 16 rows of 64 bytes: C0, C1, A0, B0, A1, B1 (two blocks in flight).
 void amx_configure() {
-  TileConfig c;
+  pk_amx::TileConfig c;
   for (int i = 0; i < 6; ++i) {
     c.colsb[i] = 64;
     c.rows[i] = AMX_ROWS;
@@ -649,7 +634,7 @@ int tiled_linear(const uint16_t* x, const uint8_t* packed, int qtype, uint16_t* 
   uint16_t* xa = nullptr;  // the staged x of every group: the call runs on AMX
   [[maybe_unused]] int64_t groups = 0;
 #if defined(TM_AMX)
-  if (M >= AMX_MIN_ROWS && amx_granted()) {
+  if (M >= AMX_MIN_ROWS && pk_amx::granted()) {
     groups = amx_groups(M);
     thread_local std::vector<Vector> staged;  // 64 bytes = one A-tile row
     if (static_cast<int64_t>(staged.size()) < groups * nb * AMX_ROWS)
@@ -678,7 +663,7 @@ int tiled_linear(const uint16_t* x, const uint8_t* packed, int qtype, uint16_t* 
 // "avx512-bf16" or "portable".
 const char* tiled_simd_paths() {
 #if defined(TM_AMX)
-  if (amx_granted()) return "amx-bf16";
+  if (pk_amx::granted()) return "amx-bf16";
 #endif
 #if defined(TM_SIMD)
   return "avx512-bf16";
