@@ -214,57 +214,38 @@ const uint16_t* bf16_edge_table() {
   return table.bits;
 }
 
-// The bf16 values of 32 codes of an 8-bit cache type C, converted as above (the constants are
-// set up once per converter).
-template <typename C>
-class Bf16x32 {
- public:
-  Bf16x32() {
-    if constexpr (is_fp8<C>()) {
-      constexpr int M = Fp8Layout<C>::mantissa, B = Fp8Layout<C>::bias;
-      edges_ = _mm512_load_si512(bf16_edge_table<C>());
-      edge_step_ = _mm512_set1_epi16(1 << M);
-      edge_bits_ = _mm512_set1_epi16(0x7F & ~((2 << M) - 1));
-      mag_bits_ = _mm512_set1_epi16(0x7F << (7 - M));
-      rebias_ = _mm512_set1_epi16((127 - B) << 7);
-      sign_ = _mm512_set1_epi16(static_cast<short>(0x8000));
-    }
-  }
-
-  PK_INLINE __m512i operator()(const C* p) const {
-    if constexpr (std::is_same_v<C, int8_t>) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-      return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    } else {
-      constexpr int M = Fp8Layout<C>::mantissa;
-      // Sign-extended codes: bits 0..6 the magnitude, bit 15 the sign. (w + 2^M) has no bit in
-      // [M + 1, 6] exactly when w's exponent field is 0 or all ones.
-      const __m512i w =
-          _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      const __m512i normal = _mm512_add_epi16(
-          _mm512_and_si512(_mm512_slli_epi16(w, 7 - M), mag_bits_), rebias_);
-      const __mmask32 edge = _mm512_testn_epi16_mask(_mm512_add_epi16(w, edge_step_), edge_bits_);
-      const __m512i mag = _mm512_mask_permutexvar_epi16(normal, edge, w, edges_);
-      return _mm512_ternarylogic_epi32(mag, w, sign_, 0xF8);
-    }
-  }
-
- private:
-  template <typename U>
-  static constexpr bool is_fp8() {
-    return std::is_same_v<U, at::Float8_e4m3fn> || std::is_same_v<U, at::Float8_e5m2>;
-  }
-  __m512i edges_, edge_step_, edge_bits_, mag_bits_, rebias_, sign_;
-};
-
 // dst + i * d = the bf16 values of rows[i][0..d), i < n; d % 32 == 0.
 template <typename C>
 inline void codes_to_bf16(const C* const* rows, int n, int d, uint16_t* dst) {
-  const Bf16x32<C> bf16x32;
-  for (int i = 0; i < n; ++i)
-    for (int x = 0; x < d; x += 32) _mm512_storeu_si512(dst + i * d + x, bf16x32(rows[i] + x));
+  if constexpr (std::is_same_v<C, int8_t>) {
+    for (int i = 0; i < n; ++i)
+      for (int x = 0; x < d; x += 32) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + x));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+        _mm512_storeu_si512(dst + i * d + x, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+  } else {
+    constexpr int M = Fp8Layout<C>::mantissa, B = Fp8Layout<C>::bias;
+    const __m512i edges = _mm512_load_si512(bf16_edge_table<C>());
+    // (w + 2^M) has no bit in [M + 1, 6] exactly when w's exponent field is 0 or all ones.
+    const __m512i edge_step = _mm512_set1_epi16(1 << M);
+    const __m512i edge_bits = _mm512_set1_epi16(0x7F & ~((2 << M) - 1));
+    const __m512i mag_bits = _mm512_set1_epi16(0x7F << (7 - M));
+    const __m512i rebias = _mm512_set1_epi16((127 - B) << 7);
+    const __m512i sign = _mm512_set1_epi16(static_cast<short>(0x8000));
+    for (int i = 0; i < n; ++i)
+      for (int x = 0; x < d; x += 32) {
+        // Sign-extended codes: bits 0..6 the magnitude, bit 15 the sign.
+        const __m512i w =
+            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + x)));
+        const __m512i normal = _mm512_add_epi16(
+            _mm512_and_si512(_mm512_slli_epi16(w, 7 - M), mag_bits), rebias);
+        const __mmask32 edge = _mm512_testn_epi16_mask(_mm512_add_epi16(w, edge_step), edge_bits);
+        const __m512i mag = _mm512_mask_permutexvar_epi16(normal, edge, w, edges);
+        _mm512_storeu_si512(dst + i * d + x, _mm512_ternarylogic_epi32(mag, w, sign, 0xF8));
+      }
+  }
 }
 
 #endif
