@@ -76,10 +76,7 @@ class Sampler:
                 chosen = pick(x, subset, states)
             elif subset:
                 chosen[subset] = pick(x[subset], subset, states)
-        token_ids = chosen.tolist()
-        chosen_lp = (logits.gather(1, chosen[:, None]).squeeze(1) - lse).tolist()
-        top = top_logprobs(logits, lse, params, token_ids, chosen_lp)
-        return SamplerOutput(token_ids, chosen_lp, top)
+        return raw_logprobs(logits, lse, params, chosen)
 
     @staticmethod
     def _greedy(x: torch.Tensor, rows: list[int], states: list[SamplingState]) -> torch.Tensor:
@@ -295,6 +292,17 @@ def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     # a short last chunk repeats its last index; the first occurrence still wins
     index = ((best * chunk)[:, None] + torch.arange(chunk, device=x.device)).clamp_(max=n - 1)
     return index.gather(1, x.gather(1, index).argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def raw_logprobs(logits: torch.Tensor, lse: torch.Tensor, params: list[SamplingParams],
+                 chosen: torch.Tensor) -> SamplerOutput:
+    """The `chosen` tokens (int64 `[N]`) with their log-probabilities under the raw `logits`
+    (`logit - lse`, `lse` each row's log-sum-exp) and, for rows whose params ask, the top ones
+    (top_logprobs)."""
+    token_ids = chosen.tolist()
+    chosen_lp = (logits.gather(1, chosen[:, None]).squeeze(1) - lse).tolist()
+    return SamplerOutput(token_ids, chosen_lp,
+                         top_logprobs(logits, lse, params, token_ids, chosen_lp))
 
 
 def top_logprobs(logits: torch.Tensor, lse: torch.Tensor, params: list[SamplingParams],

@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 
 from engine.model import layer_ops
-from engine.sampler import (Sampler, SamplingState, argmax, draw, sampling_probs,
-                            top_logprobs)
+from engine.sampler import (Sampler, SamplingState, argmax, draw, raw_logprobs,
+                            sampling_probs)
 from engine.spec_decode.proposer import Proposal
 
 
@@ -106,6 +106,5 @@ def verify(sampler: Sampler, logits: torch.Tensor, state: SamplingState,
     n = len(tokens)
     raw = logits[:n]
     _, lse = layer_ops.argmax_logsumexp(raw)
-    chosen = (raw.gather(1, torch.tensor(tokens)[:, None]).squeeze(1) - lse).tolist()
-    top = top_logprobs(raw, lse, [params] * n, tokens, chosen)
-    return Verdict(tokens, chosen, top, n - 1)
+    out = raw_logprobs(raw, lse, [params] * n, torch.tensor(tokens))
+    return Verdict(out.token_ids, out.logprobs, out.top_logprobs, n - 1)
