@@ -1,5 +1,11 @@
 """Test-session setup shared by every test file.
 
+The whole suite (`python -m pytest`, no paths given) runs in pytest-xdist worker processes, one
+test file per worker at a time (`-n auto --dist loadfile`, pyproject.toml): most tests keep one
+core busy, so two workers on a 2-core machine take about half the time. A run of named files or
+tests stays in one process. `PAGED_KERNELS_TEST_WORKERS=N` sets the number for any run (0: no
+workers). A test marked `exclusive` (it times latencies) runs while no other test runs.
+
 On a machine without a CUDA device, Triton can only run through its interpreter, which must be
 chosen before Triton is first imported: set TRITON_INTERPRET=1 here, at collection time.
 
@@ -11,16 +17,27 @@ leave idle; a test that needs one before it is ready waits on the build's lock
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
-from typing import Optional
+import tempfile
+from typing import Iterator, Optional
 
 import pytest
 
 #: The narrower builds' CPU features (tests/test_cpu_backend.py builds the same ones).
 NARROWER_BUILDS = ("frozenset()", "frozenset({'avx2', 'fma', 'f16c'})")
 _prebuild: Optional[subprocess.Popen] = None
+#: Tests run by at most this many workers when the whole suite runs.
+MAX_WORKERS = 4
+WORKERS_ENV = "PAGED_KERNELS_TEST_WORKERS"
+#: The workers' lock files' folder: made by the controlling process (`pytest_configure`), kept
+#: in its stash, handed to each worker under this key of `workerinput`.
+LOCK_DIR_KEY = "paged_kernels_lock_dir"
+_LOCK_DIR = pytest.StashKey[str]()
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -80,14 +97,75 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="run the full conformance matrix (every axis crossed with every other)")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: `PAGED_KERNELS_TEST_WORKERS` when set; else, for the whole suite (no paths on
+    the command line), one worker per core up to `MAX_WORKERS`; else none (one process)."""
+    if os.environ.get(WORKERS_ENV):
+        count = int(os.environ[WORKERS_ENV])
+        if count < 0:
+            raise pytest.UsageError(f"{WORKERS_ENV}: expected a count >= 0, got {count}")
+        return count
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return 0
+    return min(MAX_WORKERS, os.cpu_count() or 1)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "exhaustive: part of the full conformance matrix only")
+    config.addinivalue_line("markers", "exclusive: times latencies, so runs while no other test "
+                            "of the session runs")
+    if getattr(config.option, "numprocesses", 0) and not hasattr(config, "workerinput"):
+        config.stash[_LOCK_DIR] = tempfile.mkdtemp(prefix="paged-kernels-tests-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _LOCK_DIR in config.stash:
+        shutil.rmtree(config.stash[_LOCK_DIR], ignore_errors=True)
+
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """Hands each worker the lock files' folder."""
+    node.workerinput[LOCK_DIR_KEY] = node.config.stash[_LOCK_DIR]
+
+
+@contextlib.contextmanager
+def _machine_share(lock_dir: str, exclusive: bool) -> Iterator[None]:
+    """Holds the run lock shared (any test) or exclusive (an `exclusive` test) while a test runs.
+    A gate lock taken first gives the exclusive one precedence: while it waits, no new test
+    starts, so the running ones drain instead of handing the lock on to each other."""
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    with open(os.path.join(lock_dir, "gate"), "a") as gate, \
+            open(os.path.join(lock_dir, "run"), "a") as run:
+        fcntl.flock(gate, mode)
+        fcntl.flock(run, mode)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(run, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]):
+    """In a worker, each test (with the fixtures its set-up starts and its teardown stops)
+    runs under `_machine_share`."""
+    lock_dir = getattr(item.config, "workerinput", {}).get(LOCK_DIR_KEY)
+    if lock_dir is None:
+        yield
+        return
+    with _machine_share(lock_dir, item.get_closest_marker("exclusive") is not None):
+        yield
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Starts compiling the narrower cpu builds in the background when a collected test needs
     them."""
     global _prebuild
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return  # one worker starts it
     if not any("test_narrower_builds" in item.nodeid for item in session.items):
         return
     script = ("from cpu_impl import build\n"

@@ -2,7 +2,8 @@
 limit (429 with --max-queue), against one real `python -m engine.serve` subprocess.
 
 The server runs one sequence at a time (--max-num-seqs 1) with room for one waiting request
-(--max-queue 1), so a third concurrent request is refused.
+(--max-queue 1), so a third concurrent request is refused. The running request asks for most of
+the model length, so it is still generating when the third one arrives on a slow machine.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--max-model-len", "128", "--max-num-seqs", "1", "--max-queue", "1",
+    proc = ServerProcess("--max-model-len", "1024", "--max-num-seqs", "1", "--max-queue", "1",
                          "--num-threads", "1",
                          "--num-kv-blocks", "64", "--api-key", KEY)
     proc.start(early_headers=AUTH)
@@ -91,7 +92,7 @@ def test_openai_client_with_and_without_key(server):
 
 def test_queue_full_is_429(server, http):
     wait_idle(http)
-    body = {"prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "stream": True}
+    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.base_url, timeout=300, headers=AUTH) as a, \
             httpx.Client(base_url=server.base_url, timeout=300, headers=AUTH) as b:
         with a.stream("POST", "/v1/completions", json=body) as running:

@@ -125,6 +125,7 @@ def send(base_url: str, path: str, body: bytes, statuses: list[int]) -> None:
                                headers={"content-type": "application/json"}).status_code)
 
 
+@pytest.mark.exclusive
 def test_health_and_a_normal_request_are_not_stalled_by_hostile_ones(server):
     base = server.base_url
     with httpx.Client(base_url=base, timeout=300) as http:
