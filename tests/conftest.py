@@ -4,7 +4,8 @@ The whole suite (`python -m pytest`, no paths given) runs in pytest-xdist worker
 test file per worker at a time (`-n auto --dist loadfile`, pyproject.toml): most tests keep one
 core busy, so two workers on a 2-core machine take about half the time. A run of named files or
 tests stays in one process. `PAGED_KERNELS_TEST_WORKERS=N` sets the number for any run (0: no
-workers). A test marked `exclusive` (it times latencies) runs while no other test runs.
+workers). A test marked `exclusive` (it times latencies, or plants a file in the shared build
+cache) runs while no other test runs.
 
 On a machine without a CUDA device, Triton can only run through its interpreter, which must be
 chosen before Triton is first imported: set TRITON_INTERPRET=1 here, at collection time.
@@ -113,8 +114,9 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "exhaustive: part of the full conformance matrix only")
-    config.addinivalue_line("markers", "exclusive: times latencies, so runs while no other test "
-                            "of the session runs")
+    config.addinivalue_line("markers", "exclusive: runs while no other test of the session runs "
+                            "(it times latencies, or changes state that other tests' processes "
+                            "share)")
     if getattr(config.option, "numprocesses", 0) and not hasattr(config, "workerinput"):
         config.stash[_LOCK_DIR] = tempfile.mkdtemp(prefix="paged-kernels-tests-")
 

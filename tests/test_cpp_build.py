@@ -84,6 +84,7 @@ def test_amx_kernels_share_one_tile_header():
                 assert "arch_prctl" not in text and "struct alignas(64) TileConfig" not in text
 
 
+@pytest.mark.exclusive  # plants the stale file in the shared build cache: no other load may drop it
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path: Path):
     """torch waits for ever while its build lock file exists; a build killed mid-way leaves
     one. `load` holds its own flock (released when a process dies) and, under it, removes the
