@@ -10,7 +10,6 @@ so the host pool has the device cache's dtype and the scales stay as they are.
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -19,6 +18,7 @@ import torch
 from engine.block_pool import BlockCopy
 from engine.kv_scales import LayerKVScales, is_quantized, make_kv_scales
 from paged_kernels.attention import copy_blocks, swap_blocks
+from paged_kernels.cache_memory import empty_cache
 
 #: Budget used when neither a block count nor a byte budget is given.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -40,28 +40,6 @@ def num_blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int,
         raise ValueError(f"kv_cache_memory_bytes: expected at least one block ({per_block} bytes "
                          f"for block_size={block_size}, {dtype}), got {budget_bytes}")
     return count
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor; on a Linux CPU, in memory backed by transparent huge pages.
-
-    A decode step reads every layer's K/V once (more than the last-level cache holds) as short
-    runs scattered over the pool; with 4 KiB pages nearly every run is a TLB miss (a costly one
-    in a VM). Huge pages made the engine's decode attention ~7% faster on the 2-core machine
-    (docs/serving.md). Falls back to `torch.empty` where `madvise(MADV_HUGEPAGE)` is missing."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
-        return torch.empty(shape, dtype=dtype, device=device)
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP disabled in this kernel: plain pages, same memory
-        pass
-    # the tensor keeps `buffer` alive; anonymous memory is zero-filled, never read before written
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _check_scales(scales: Optional[list[LayerKVScales]], dtype: torch.dtype,
@@ -123,7 +101,7 @@ class KVCache:
             return []
         # One allocation for everything; each layer's key and value caches are contiguous views.
         shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
-        storage = _empty(shape, dtype, device)
+        storage = empty_cache(shape, dtype, device)  # huge pages on a CPU
         if fill is not None:
             storage.fill_(fill)
         elif device.type == "cpu":

@@ -1,6 +1,7 @@
-"""The benchmark code (bench/kernels.py, bench/ceilings.py) at tiny sizes on the CPU, so that it is
-never found broken on the day a GPU is lent: what it counts (bytes, flops) against direct
-counts, its check against SDPA, errors recorded without ending a sweep, and its outputs."""
+"""The benchmark code (bench/kernels.py, bench/ceilings.py, bench/kv_quant_speed.py) at tiny
+sizes on the CPU, so that it is never found broken on the day a GPU is lent: what it counts
+(bytes, flops) against direct counts, its check against SDPA, errors recorded without ending a
+sweep, and its outputs."""
 
 from __future__ import annotations
 
@@ -68,3 +69,19 @@ def test_sweep_records_failures_and_writes_outputs(tmp_path: Path, monkeypatch) 
     paths = kernels.write_outputs(report, tmp_path)
     assert json.loads((tmp_path / "kernels.json").read_text())["results"] == report["results"]
     assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_kv_quant_speed_times_every_cache_in_both_kinds_of_memory() -> None:
+    """`bench.kv_quant_speed` at a tiny shape: a row per kind of memory and cache dtype, each
+    8-bit row compared with bfloat16 in the same kind, half its bytes."""
+    from bench import kv_quant_speed
+
+    rows = kv_quant_speed.measure(64, seqs=2, context=48, rounds=1, repeat=1)
+    assert [(r["pages"], r["cache"]) for r in rows] == [
+        (pages, cache) for pages in ("huge", "4k")
+        for cache in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")]
+    for r in rows:
+        base = next(b for b in rows if b["pages"] == r["pages"] and b["cache"] == "bfloat16")
+        assert r["speedup_vs_bf16"] == pytest.approx(base["seconds"] / r["seconds"])
+        assert r["cache_bytes"] * (1 if r["cache"] == "bfloat16" else 2) == base["cache_bytes"]
+    assert "| 64 | huge | int8 |" in kv_quant_speed.table(rows, 10.0)
