@@ -2,10 +2,11 @@
 
 The whole suite (`python -m pytest`, no paths given) runs in pytest-xdist worker processes, one
 test file per worker at a time (`-n auto --dist loadfile`, pyproject.toml): most tests keep one
-core busy, so two workers on a 2-core machine take about half the time. A run of named files or
-tests stays in one process. `PAGED_KERNELS_TEST_WORKERS=N` sets the number for any run (0: no
-workers). A test marked `exclusive` (it times latencies, or plants a file in the shared build
-cache) runs while no other test runs.
+core busy, so two workers on a 2-core machine take about half the time. The files that take
+longest go out first (`SLOW_FILES`), so that no long file starts last and runs alone. A run of
+named files or tests stays in one process. `PAGED_KERNELS_TEST_WORKERS=N` sets the number for
+any run (0: no workers). A test marked `exclusive` (it times latencies, or plants a file in the
+shared build cache) runs while no other test runs.
 
 On a machine without a CUDA device, Triton can only run through its interpreter, which must be
 chosen before Triton is first imported: set TRITON_INTERPRET=1 here, at collection time.
@@ -32,6 +33,12 @@ import pytest
 #: The narrower builds' CPU features (tests/test_cpu_backend.py builds the same ones).
 NARROWER_BUILDS = ("frozenset()", "frozenset({'avx2', 'fma', 'f16c'})")
 _prebuild: Optional[subprocess.Popen] = None
+#: The test files that take longest (a sequential run with `--durations=0` on the 2-core CI
+#: machine: 30-160 s each), handed to the workers first, slowest first; the rest follow in
+#: collection order (`--no-loadscope-reorder`).
+SLOW_FILES = ("test_cuda_build.py", "test_bench_paper.py", "test_gpu_check_smoke.py",
+              "test_tp_engine.py", "test_engine_llm.py", "test_soak.py",
+              "test_cuda_host_kernels.py", "test_serve_stalls.py")
 #: Tests run by at most this many workers when the whole suite runs.
 MAX_WORKERS = 4
 WORKERS_ENV = "PAGED_KERNELS_TEST_WORKERS"
@@ -160,6 +167,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]):
         return
     with _machine_share(lock_dir, item.get_closest_marker("exclusive") is not None):
         yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a worker, moves the tests of `SLOW_FILES` to the front, slowest file first (every
+    worker collects, and so orders, alike)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
