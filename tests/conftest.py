@@ -33,8 +33,8 @@ import pytest
 #: The narrower builds' CPU features (tests/test_cpu_backend.py builds the same ones).
 NARROWER_BUILDS = ("frozenset()", "frozenset({'avx2', 'fma', 'f16c'})")
 _prebuild: Optional[subprocess.Popen] = None
-#: The test files that take longest (a sequential run with `--durations=0` on the 2-core CI
-#: machine: 30-160 s each), handed to the workers first, slowest first; the rest follow in
+#: The test files that take longest (a sequential run with `--durations=0` on a 2-core machine
+#: of the CI's kind: 30-160 s each), handed to the workers first, slowest first; the rest follow in
 #: collection order (`--no-loadscope-reorder`).
 SLOW_FILES = ("test_cuda_build.py", "test_bench_paper.py", "test_gpu_check_smoke.py",
               "test_tp_engine.py", "test_engine_llm.py", "test_soak.py",
@@ -131,7 +131,6 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _LOCK_DIR in config.stash:
         shutil.rmtree(config.stash[_LOCK_DIR], ignore_errors=True)
-
 
 
 @pytest.hookimpl(optionalhook=True)
