@@ -41,16 +41,13 @@ from bench.timing import median_seconds
 #: Cache dtypes timed against bfloat16, and the largest magnitude of each (the scale maps the
 #: amax of each KV head there).
 CACHE_DTYPES = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
-#: Kinds of cache memory: name -> allocator `(shape, dtype) -> tensor`.
-PAGES: dict[str, Callable[..., torch.Tensor]] = {
-    "huge": lambda shape, dtype: pk.empty_cache(shape, dtype),
-    "4k": lambda shape, dtype: torch.empty(shape, dtype=dtype),
-}
+#: Kinds of cache memory: name -> allocator `(shape, dtype=) -> tensor`.
+PAGES: dict[str, Callable[..., torch.Tensor]] = {"huge": pk.empty_cache, "4k": torch.empty}
 
 
 def placed(cache: torch.Tensor, pages: str) -> torch.Tensor:
     """A copy of `cache` in memory of the kind `pages`."""
-    out = PAGES[pages](tuple(cache.shape), cache.dtype)
+    out = PAGES[pages](tuple(cache.shape), dtype=cache.dtype)
     out.copy_(cache)
     return out
 
@@ -68,7 +65,7 @@ def quantized_caches(p: BenchProblem, dtype: torch.dtype, pages: str = "4k"
         rows = cache.permute(0, 2, 1, 3).reshape(-1, heads, head_size)
         amax = rows.float().abs().amax(dim=(0, 2)).clamp(min=1e-6)
         scales.append(amax / CACHE_DTYPES[dtype])
-        out.append(PAGES[pages](tuple(cache.shape), dtype))
+        out.append(PAGES[pages](tuple(cache.shape), dtype=dtype))
     pk.write_kv(p.key_cache.permute(0, 2, 1, 3).reshape(-1, heads, head_size),
                 p.value_cache.permute(0, 2, 1, 3).reshape(-1, heads, head_size),
                 out[0], out[1], slots, k_scale=scales[0], v_scale=scales[1], backend="cpu")
