@@ -551,3 +551,33 @@ def test_bf16_qk_paths_match_the_oracle(qk_path, heads, head_size, block_size):
     want, _ = attention_oracle(c.query, keys, values, c.q_lens)
     out = attend_ext(qk_path, c, kc, vc, k_scale, v_scale)
     assert rel_err(out, want) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_bf16_output_rounding_keeps_subnormals_and_writes_nan_as_torch(decode):
+    """The bf16 outputs are the float32 results rounded as torch rounds them: to nearest even,
+    subnormal results kept (not flushed), a NaN stored as 0x7FC0, every column in its place.
+    Four keys of equal score (a zero query) average V; column 3 of key 0 is 2.4e-38, so its
+    output 6e-39 is subnormal in bf16; column 5 of key 2 is NaN."""
+    heads, head_size, block_size, keys = (9, 3), 64, 16, 4
+    query = torch.zeros(1 if decode else keys, heads[0], head_size, dtype=torch.bfloat16)
+    values = torch.randn(keys, heads[1], head_size, dtype=torch.float64)
+    values[0, :, 3], values[1:, :, 3] = 2.4e-38, 0.0
+    values[2, :, 5] = math.nan
+    key_cache = torch.randn(3, heads[1], block_size, head_size).to(torch.bfloat16)
+    value_cache = torch.full_like(key_cache, math.nan)
+    value_cache[1, :, :keys] = values.to(torch.bfloat16).transpose(0, 1)
+    block_tables = torch.tensor([[1]], dtype=torch.int32)
+    seq_lens = torch.tensor([keys], dtype=torch.int32)
+    cu = None if decode else torch.tensor([0, keys], dtype=torch.int32)
+    out = pk.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                             cu_seqlens_q=cu, backend="cpu")
+    group = heads[0] // heads[1]
+    v = values.to(torch.bfloat16).to(torch.float64)  # what the cache holds
+    want = v.mean(0).repeat_interleave(group, 0).to(torch.bfloat16)  # [heads, head_size]
+    got = out[-1]
+    assert got[:, 3].view(torch.int16).tolist() == want[:, 3].view(torch.int16).tolist()
+    assert 0 < got[0, 3].float().abs() < torch.finfo(torch.bfloat16).tiny
+    assert got[:, 5].view(torch.int16).tolist() == [0x7FC0] * heads[0]
+    other = [c for c in range(head_size) if c not in (3, 5)]
+    assert torch.allclose(got[:, other].double(), want[:, other].double(), rtol=1e-2, atol=1e-2)

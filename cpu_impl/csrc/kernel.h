@@ -122,13 +122,19 @@ class ItemKernel {
 #endif
   }
 
-  void run() {
+  // `tile_cols`: the B/C tile width this thread's tile configuration holds (0: none); an item
+  // on AMX loads its own when it differs and leaves it for the next item (run_items releases the
+  // tiles after the thread's last item).
+  void run(int& tile_cols) {
     load_queries();
 #if defined(PK_AMX)
     if (amx_) {
-      amx_configure_scores(rh_);
+      if (tile_cols != rh_) amx_configure_scores(rh_);
+      tile_cols = rh_;
       stage_query_tiles();
     }
+#else
+    (void)tile_cols;
 #endif
     int64_t lo, hi;  // keys [lo, hi) visible to at least one row
     key_range(lo, hi);
@@ -145,9 +151,6 @@ class ItemKernel {
       chunk(c, c1);
     }
     store();
-#if defined(PK_AMX)
-    if (amx_) _tile_release();
-#endif
   }
 
  private:
@@ -437,14 +440,13 @@ class ItemKernel {
   void stage_query_tiles() {
     const int slices = d_ / 32;
     uint32_t* qt = sc_.qt.data();
+    const __m512i stride = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(rh_));
     for (int hh = 0; hh < nh_; ++hh)
       for (int x = 0; x < slices; ++x)
-        for (int i = 0; i < 16; ++i)
-          for (int r = 0; r < rh_; ++r) {
-            uint32_t pair;
-            std::memcpy(&pair, &sc_.qraw[(hh * rh_ + r) * d_ + 32 * x + 2 * i], sizeof pair);
-            qt[((hh * slices + x) * 16 + i) * rh_ + r] = pair;
-          }
+        for (int r = 0; r < rh_; ++r)  // row r's 16 pairs of the slice to qt[... + i * rh_ + r]
+          _mm512_i32scatter_epi32(qt + (hh * slices + x) * 16 * rh_ + r, stride,
+                                  _mm512_loadu_si512(&sc_.qraw[(hh * rh_ + r) * d_ + 32 * x]), 4);
   }
 
   // Scores of KV head hh's rows for a whole unit of 16 keys whose rows are equally spaced (a
@@ -748,6 +750,31 @@ class ItemKernel {
     return 32 * z + 8 * lane + 4 * hi + t;
   }
 
+  // dst[pair_column(i)] = from_float<T>(a[i] * inv) for i < d (T = bf16, d % 32 == 0: the
+  // vdpbf16ps path), 32 columns at a time: the rounded words permuted back into column order.
+  void store_pairs_row(T* dst, const float* a, float inv) const {
+#if defined(PK_AVX512)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      struct alignas(64) Order { uint16_t word[32]; };
+      static const Order order = [] {  // word c of the output takes accumulator word order[c]
+        Order o{};
+        for (int e = 0; e < 32; ++e) o.word[pair_column(e)] = static_cast<uint16_t>(e);
+        return o;
+      }();
+      const __m512i idx = _mm512_load_si512(order.word);
+      const __m512 scale = _mm512_set1_ps(inv);
+      for (int x = 0; x < d_; x += 32) {
+        const __m256i lo = bf16_bits(_mm512_mul_ps(_mm512_loadu_ps(a + x), scale));
+        const __m256i hi = bf16_bits(_mm512_mul_ps(_mm512_loadu_ps(a + x + 16), scale));
+        const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        _mm512_storeu_si512(dst + x, _mm512_permutexvar_epi16(idx, words));
+      }
+      return;
+    }
+#endif
+    for (int i = 0; i < d_; ++i) dst[pair_column(i)] = from_float<T>(a[i] * inv);
+  }
+
   void store() {
     for (int r = 0; r < rows_; ++r) {
       T* dst = out_ + token(r) * p_.o_s0 + head(r) * p_.o_s1;
@@ -755,7 +782,7 @@ class ItemKernel {
       const float inv = sc_.l[r] > 0.f ? kv_scale(p_.v_scale, r) / sc_.l[r] : 0.f;
       const float* a = &sc_.acc[r * d_];
       if (pairs_)
-        for (int i = 0; i < d_; ++i) dst[pair_column(i)] = from_float<T>(a[i] * inv);
+        store_pairs_row(dst, a, inv);
       else
         for (int i = 0; i < d_; ++i) dst[i] = from_float<T>(a[i] * inv);
       if (p_.lse != nullptr)
@@ -791,8 +818,12 @@ void run_items(const Problem& p, const at::Tensor& query, const at::Tensor& key_
 #pragma omp parallel num_threads(nthreads)
   {
     Scratch<T, C>& sc = thread_scratch<T, C>(rows, static_cast<int>(p.head_size), heads);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) ItemKernel<T, C>(p, q, k, v, o, items[i], sc).run();
+    int tile_cols = 0;  // the AMX tile configuration the thread's items left (ItemKernel::run)
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t i = 0; i < n; ++i) ItemKernel<T, C>(p, q, k, v, o, items[i], sc).run(tile_cols);
+#if defined(PK_AMX)
+    if (tile_cols != 0) _tile_release();
+#endif
   }
 }
 

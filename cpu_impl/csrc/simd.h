@@ -414,6 +414,19 @@ inline float exp_shifted(float* x, int n, float shift) {
   return sum;
 }
 #if defined(PK_AVX512)
+// The bf16 bits of 16 floats as c10::BFloat16(float) gives them (from_float): round to nearest
+// even on the bits, subnormals kept, NaN -> 0x7FC0. (vcvtneps2bf16 flushes subnormals.)
+PK_INLINE __m256i bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
+#if defined(PK_AVX512)
 // out[i] = bf16(exp(x[i] - shift)) for i in [a, b) (other entries untouched); returns the sum of
 // the float32 values.
 inline float exp_shifted_bf16(const float* x, uint16_t* out, int a, int b, float shift) {
