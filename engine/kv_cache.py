@@ -18,7 +18,7 @@ import torch
 from engine.block_pool import BlockCopy
 from engine.kv_scales import LayerKVScales, is_quantized, make_kv_scales
 from paged_kernels.attention import copy_blocks, swap_blocks
-from paged_kernels.cache_memory import empty_cache
+from paged_kernels.cache_memory import empty_cache, zeros_cache
 
 #: Budget used when neither a block count nor a byte budget is given.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -101,11 +101,12 @@ class KVCache:
             return []
         # One allocation for everything; each layer's key and value caches are contiguous views.
         shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
-        storage = empty_cache(shape, dtype, device)  # huge pages on a CPU
-        if fill is not None:
-            storage.fill_(fill)
-        elif device.type == "cpu":
-            storage.zero_()
+        if fill is None and device.type == "cpu":  # huge pages, resident as blocks are written
+            storage = zeros_cache(shape, dtype, device)
+        else:
+            storage = empty_cache(shape, dtype, device)
+            if fill is not None:
+                storage.fill_(fill)
         return [(storage[i, 0], storage[i, 1]) for i in range(num_layers)]
 
     @property

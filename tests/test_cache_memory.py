@@ -1,9 +1,11 @@
-"""`paged_kernels.empty_cache`: a KV cache tensor of the asked shape and dtype, usable by every
-operation of the ABI, and on a Linux CPU with transparent huge pages in `madvise` or `always`
-mode, backed by huge pages."""
+"""`paged_kernels.empty_cache` and `zeros_cache`: a KV cache tensor of the asked shape and dtype,
+usable by every operation of the ABI, and on a Linux CPU with transparent huge pages in `madvise`
+or `always` mode, backed by huge pages; `zeros_cache`'s reads zero with no page made resident
+until written."""
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -26,14 +28,44 @@ def test_shape_dtype_and_contiguity(shape, dtype):
     assert bool((cache.view(torch.uint8) == 0x3C).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("shape", [(3, 2, 16, 64), (0, 2, 16, 64), (1,)])
+def test_zeros_cache_reads_zero(shape, dtype):
+    cache = pk.zeros_cache(shape, dtype)
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    assert int(torch.count_nonzero(cache.view(torch.uint8))) == 0
+
+
 def _anon_huge_kib(address: int) -> int:
     """AnonHugePages (KiB) of the mapping of this process that holds `address`."""
+    return _smaps_field(address, "AnonHugePages")
+
+
+def _smaps_field(address: int, field: str) -> int:
     text = Path("/proc/self/smaps").read_text()
     for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
         start, end = (int(x, 16) for x in entry.split(" ", 1)[0].split("-"))
         if start <= address < end:
-            return int(re.search(r"AnonHugePages:\s+(\d+) kB", entry).group(1))
+            return int(re.search(field + r":\s+(\d+) kB", entry).group(1))
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="zeros_cache is torch.zeros here")
+def test_a_zeros_cache_is_resident_only_where_written():
+    """A 256 MiB zeros_cache costs no resident memory until written (the engine's pool is one);
+    writing one 256 KiB block makes about that much resident, not the whole cache."""
+    before = _process_rss_kib()
+    cache = pk.zeros_cache((1024, 8, 16, 128), torch.bfloat16)
+    allocated = _process_rss_kib()
+    cache[100].fill_(1.0)
+    written = _process_rss_kib()
+    assert allocated - before < 16 * 1024
+    assert 0 < written - allocated < 16 * 1024
+    assert float(cache[100].float().sum()) == 8 * 16 * 128 and float(cache[99].abs().sum()) == 0
+
+
+def _process_rss_kib() -> int:
+    return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
