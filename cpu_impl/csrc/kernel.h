@@ -71,13 +71,14 @@ struct Scratch {
   std::vector<const at::BFloat16*> sp; // rows of staged, by key index in the chunk (KEY_CHUNK)
   std::vector<uint32_t, AlignedAlloc<uint32_t>> qt;  // AMX B tiles of the queries (amx_scores)
   std::vector<float, AlignedAlloc<float>> cbuf;      // one stored AMX C tile: 16 x 16 float32
+  std::vector<T> qpad;                 // 16 query rows, zero-padded (amx_row_scores)
   Scratch(int rows, int d, int heads)
       : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows), l(rows),
         kf(WIDENED_CHUNK * d), vf(WIDENED_CHUNK * d), qraw(rows * d), wb(rows * KEY_CHUNK),
         kt(d / 2 * 16), pos(rows), vis(2 * rows),
         kp(KEY_CHUNK * heads), vp(KEY_CHUNK * heads), kfp(WIDENED_CHUNK),
         vfp(WIDENED_CHUNK), staged(is_8bit_cache<C>() ? (UNIT_KEYS + 1) * d : 0), zero_row(d),
-        sp(is_8bit_cache<C>() ? KEY_CHUNK : 0), qt(rows * d / 2), cbuf(16 * 16) {}
+        sp(is_8bit_cache<C>() ? KEY_CHUNK : 0), qt(rows * d / 2), cbuf(16 * 16), qpad(16 * d) {}
 };
 
 // This thread's Scratch, reused from call to call (no allocation per call: OpenMP's threads
@@ -107,7 +108,8 @@ class ItemKernel {
              Scratch<T, C>& sc)
       : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
         g_(p.group()), rh_(static_cast<int>(it.rows) * g_), nh_(it.kv_heads), rows_(rh_ * nh_),
-        pairs_(uses_pairs(p)), amx_(pairs_ && rh_ <= 16 && amx_active()) {}
+        pairs_(uses_pairs(p)), amx_(pairs_ && rh_ <= 16 && amx_active()),
+        amx_rows_(pairs_ && rh_ > 16 && amx_active()) {}
 
   // Whether Q.K and P.V run on vdpbf16ps (dot_scores, accumulate_pairs): a bf16 query and a bf16
   // or 8-bit cache (its rows staged as bf16 unit by unit, stage_bf16), d % 32 == 0, on the
@@ -128,10 +130,11 @@ class ItemKernel {
   void run(int& tile_cols) {
     load_queries();
 #if defined(PK_AMX)
-    if (amx_) {
-      if (tile_cols != rh_) amx_configure_scores(rh_);
-      tile_cols = rh_;
-      stage_query_tiles();
+    if (amx_ || amx_rows_) {  // amx_rows_: 16 query rows x 16 keys per C tile
+      const int cols = amx_ ? rh_ : 16;
+      if (tile_cols != cols) amx_configure_scores(cols);
+      tile_cols = cols;
+      if (amx_) stage_query_tiles();
     }
 #else
     (void)tile_cols;
@@ -368,6 +371,12 @@ class ItemKernel {
     for (int k = 0; k < 16; ++k) rows[k] = krows[j0 + k < j1 ? j0 + k : j0];  // pads: a valid row
     __m512i* kt = reinterpret_cast<__m512i*>(sc_.kt.data());
     for (int x = 0; x < d_; x += 32) transpose16(rows, x, kt + x / 2);
+#if defined(PK_AMX)
+    if (amx_rows_) {
+      amx_row_scores(first, j0);
+      return;
+    }
+#endif
     int r0 = first;
     for (; r0 + 8 <= first + rh_; r0 += 8) scores_t<8>(r0, j0);
     switch (first + rh_ - r0) {
@@ -479,6 +488,46 @@ class ItemKernel {
       _mm512_storeu_ps(&sc_.scores[(hh * rh_ + r) * KEY_CHUNK + j0], _mm512_mul_ps(s, scale));
     }
     return true;
+  }
+
+  // Scores of rows [first, first + rh_) (one KV head, more than 16 rows: a prefill tile) against
+  // the 16 keys transposed into sc_.kt (bf16 pairs per key: an AMX B tile per 32 elements of the
+  // head size), 16 rows per C tile: C[row][key] = the unscaled bf16 query rows (A, from qraw)
+  // times the keys, one TDPBF16PS per 32 elements (exact products, float32 sums), stored straight
+  // into the rows' score slots [j0, j0 + 16), then scaled. A last group of fewer than 16 rows goes
+  // through a zero-padded copy of its query rows and the C buffer, so nothing outside the head's
+  // rows is read or written.
+  void amx_row_scores(int first, int j0) {
+    const int slices = d_ / 32;
+    const uint32_t* kt = sc_.kt.data();
+    const __m512 scale = _mm512_set1_ps(p_.scale * kv_scale(p_.k_scale, first));
+    const int64_t q_stride = d_ * static_cast<int64_t>(sizeof(T));
+    for (int r0 = first; r0 < first + rh_; r0 += 16) {
+      const int n = std::min(16, first + rh_ - r0);
+      const T* q = &sc_.qraw[r0 * d_];
+      if (n < 16) {  // the padded copy: n rows, then zeros
+        T* pad = sc_.qpad.data();
+        std::copy_n(q, n * d_, pad);
+        std::fill(pad + n * d_, pad + 16 * d_, T(0.f));
+        q = pad;
+      }
+      _tile_zero(2);
+      for (int x = 0; x < slices; ++x) {
+        _tile_loadd(0, q + 32 * x, q_stride);
+        _tile_loadd(1, kt + x * 16 * 16, 64);
+        _tile_dpbf16ps(2, 0, 1);
+      }
+      float* out = &sc_.scores[r0 * KEY_CHUNK + j0];
+      if (n == 16) {
+        _tile_stored(2, out, KEY_CHUNK * static_cast<int64_t>(sizeof(float)));
+      } else {
+        _tile_stored(2, sc_.cbuf.data(), 64);
+        for (int i = 0; i < n; ++i)
+          _mm512_storeu_ps(out + i * KEY_CHUNK, _mm512_load_ps(sc_.cbuf.data() + 16 * i));
+      }
+      for (int i = 0; i < n; ++i)
+        _mm512_storeu_ps(out + i * KEY_CHUNK, _mm512_mul_ps(_mm512_loadu_ps(out + i * KEY_CHUNK), scale));
+    }
   }
 #endif
 
@@ -801,6 +850,8 @@ class ItemKernel {
   const int d_, g_, rh_, nh_, rows_;  // rows per KV head, KV heads, rows of the item
   const bool pairs_;  // P.V by accumulate_pairs (acc in pair_column order)
   const bool amx_;    // Q.K^T of whole 16-key units on AMX tiles (amx_scores)
+  const bool amx_rows_;  // more rows per KV head: the transposed keys times 16-row query tiles
+                         // on AMX (amx_row_scores)
 };
 
 template <typename T, typename C>
