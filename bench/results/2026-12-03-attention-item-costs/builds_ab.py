@@ -10,7 +10,6 @@ equal bit for bit."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import sys
 import time
@@ -18,39 +17,24 @@ import time
 import torch
 
 import cpu_impl.backend as cpu_backend
+from bench.build_ab import HEAD_SIZE, HEADS, LAYERS, engine_attention_case, load_extension
 
-SEQS, HEADS, KV_HEADS, HEAD_SIZE, BLOCK, LAYERS = 16, 9, 3, 64, 16, 30
-
-
-def load(path: str):
-    """The extension module at `path`."""
-    name = path.rsplit("/", 1)[1].split(".")[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SEQS = 16
 
 
 def main() -> None:
     threads, rounds, context = (int(a) for a in sys.argv[1:4])
-    exts = [load(p) for p in sys.argv[4:]]
-    torch.manual_seed(0)
+    exts = [load_extension(p) for p in sys.argv[4:]]
     torch.set_num_threads(threads)
-    per_seq = (context + BLOCK - 1) // BLOCK
-    num_blocks = SEQS * per_seq + 8
-    shape = (num_blocks, KV_HEADS, BLOCK, HEAD_SIZE)
-    layers = [(torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16))
-              for _ in range(LAYERS)]
-    tables = torch.randperm(num_blocks)[: SEQS * per_seq].view(SEQS, per_seq).int().contiguous()
-    seq_lens = torch.full((SEQS,), context, dtype=torch.int32)
+    case = engine_attention_case(SEQS, context, LAYERS)
     query = torch.randn(SEQS, HEADS, HEAD_SIZE, dtype=torch.bfloat16)
     outs = [torch.empty_like(query) for _ in exts]
 
     def call(i: int, layer: int) -> None:
-        k, v = layers[layer]
-        exts[i].paged_attention(query, k, v, tables, seq_lens, None, outs[i], None, None,
-                                HEAD_SIZE ** -0.5, 0, 0.0, cpu_backend.QUERY_TILE, threads,
-                                False, None, None)
+        k, v = case.caches[layer]
+        exts[i].paged_attention(query, k, v, case.block_tables, case.seq_lens, None, outs[i],
+                                None, None, HEAD_SIZE ** -0.5, 0, 0.0, cpu_backend.QUERY_TILE,
+                                threads, False, None, None)
 
     for mode in ("cold", "hot"):
         times: list[list[float]] = [[] for _ in exts]

@@ -10,7 +10,6 @@ output from the first build's."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import sys
 import time
@@ -18,31 +17,17 @@ import time
 import torch
 
 import cpu_impl.backend as cpu_backend
+from bench.build_ab import HEAD_SIZE, HEADS, engine_attention_case, load_extension
 
-SEQS, HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 16, 9, 3, 64, 16
-
-
-def load(path: str):
-    """The extension module at `path`."""
-    name = path.rsplit("/", 1)[1].split(".")[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SEQS = 16
 
 
 def main() -> None:
     threads, rounds, context = (int(a) for a in sys.argv[1:4])
-    exts = [load(p) for p in sys.argv[4:]]
-    torch.manual_seed(0)
+    exts = [load_extension(p) for p in sys.argv[4:]]
     torch.set_num_threads(threads)
-    per_seq = (context + BLOCK - 1) // BLOCK
-    num_blocks = SEQS * per_seq + 8
-    shape = (num_blocks, KV_HEADS, BLOCK, HEAD_SIZE)
-    key_cache = torch.randn(shape, dtype=torch.bfloat16)
-    value_cache = torch.randn(shape, dtype=torch.bfloat16)
-    tables = torch.randperm(num_blocks)[: SEQS * per_seq].view(SEQS, per_seq).int().contiguous()
-    seq_lens = torch.full((SEQS,), context, dtype=torch.int32)
+    case = engine_attention_case(SEQS, context, 1)
+    key_cache, value_cache = case.caches[0]
     cu_seqlens_q = torch.arange(SEQS + 1, dtype=torch.int32) * context
     query = torch.randn(SEQS * context, HEADS, HEAD_SIZE, dtype=torch.bfloat16)
     outs = [torch.empty_like(query) for _ in exts]
@@ -50,8 +35,8 @@ def main() -> None:
     for r in range(rounds + 1):  # round 0 warms up
         for i, ext in enumerate(exts):
             t0 = time.perf_counter()
-            ext.paged_attention(query, key_cache, value_cache, tables, seq_lens, cu_seqlens_q,
-                                outs[i], None, None, HEAD_SIZE ** -0.5, 0, 0.0,
+            ext.paged_attention(query, key_cache, value_cache, case.block_tables, case.seq_lens,
+                                cu_seqlens_q, outs[i], None, None, HEAD_SIZE ** -0.5, 0, 0.0,
                                 cpu_backend.QUERY_TILE, threads, False, None, None)
             if r:
                 times[i].append(time.perf_counter() - t0)

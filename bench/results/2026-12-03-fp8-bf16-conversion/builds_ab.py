@@ -10,7 +10,6 @@ the builds are equal."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import sys
 import time
@@ -18,20 +17,12 @@ import time
 import torch
 
 import cpu_impl.backend as cpu_backend
+from bench.build_ab import load_extension as load
 from bench.kv_quant_speed import quantized_caches
 from bench.shapes import make_mixed
 
 CACHES = {"bfloat16": None, "float8_e4m3fn": torch.float8_e4m3fn,
           "float8_e5m2": torch.float8_e5m2, "int8": torch.int8}
-
-
-def load(path: str):
-    """The extension module at `path`."""
-    name = path.rsplit("/", 1)[1].split(".")[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def time_builds(exts: list, p, caches: tuple, threads: int, rounds: int
