@@ -29,6 +29,21 @@ inline void amx_configure_scores(int cols) {
   c.rows[0] = c.rows[1] = c.rows[2] = 16;
   _tile_loadconfig(&c);
 }
+
+// The tiles of a work item with more than 16 query rows per KV head (a prefill tile), 16 rows at a
+// time: tiles 0-2 as amx_configure_scores(16) with C = 16 rows x 16 keys; for P.V, tile 3 = A,
+// 16 rows x 16 keys' bf16 weights; tile 4 = B, 8 key pairs x 16 head-size elements; tile 5 = C,
+// 16 rows x 16 float32 accumulator elements.
+inline void amx_configure_rows() {
+  pk_amx::TileConfig c;
+  for (int i = 0; i < 6; ++i) {
+    c.colsb[i] = 64;
+    c.rows[i] = 16;
+  }
+  c.colsb[3] = 32;
+  c.rows[4] = 8;
+  _tile_loadconfig(&c);
+}
 #endif
 
 // Whether this build runs Q.K^T on AMX tiles now (compiled in, switched on, granted).

@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cassert>
 #include <cmath>
 #include <cstdint>
@@ -72,13 +73,17 @@ struct Scratch {
   std::vector<uint32_t, AlignedAlloc<uint32_t>> qt;  // AMX B tiles of the queries (amx_scores)
   std::vector<float, AlignedAlloc<float>> cbuf;      // one stored AMX C tile: 16 x 16 float32
   std::vector<T> qpad;                 // 16 query rows, zero-padded (amx_row_scores)
+  std::vector<uint32_t, AlignedAlloc<uint32_t>> vt;  // a unit's V as B tiles (amx_row_values)
+  std::vector<uint16_t> wpad;          // 16 rows x 16 keys of weights, zero-padded (the same)
+  std::vector<float> apad;             // 16 accumulator rows, zero-padded (the same)
   Scratch(int rows, int d, int heads)
       : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows), l(rows),
         kf(WIDENED_CHUNK * d), vf(WIDENED_CHUNK * d), qraw(rows * d), wb(rows * KEY_CHUNK),
         kt(d / 2 * 16), pos(rows), vis(2 * rows),
         kp(KEY_CHUNK * heads), vp(KEY_CHUNK * heads), kfp(WIDENED_CHUNK),
         vfp(WIDENED_CHUNK), staged(is_8bit_cache<C>() ? (UNIT_KEYS + 1) * d : 0), zero_row(d),
-        sp(is_8bit_cache<C>() ? KEY_CHUNK : 0), qt(rows * d / 2), cbuf(16 * 16), qpad(16 * d) {}
+        sp(is_8bit_cache<C>() ? KEY_CHUNK : 0), qt(rows * d / 2), cbuf(16 * 16), qpad(16 * d),
+        vt(d * 8), wpad(16 * 16), apad(16 * d) {}
 };
 
 // This thread's Scratch, reused from call to call (no allocation per call: OpenMP's threads
@@ -130,9 +135,12 @@ class ItemKernel {
   void run(int& tile_cols) {
     load_queries();
 #if defined(PK_AMX)
-    if (amx_ || amx_rows_) {  // amx_rows_: 16 query rows x 16 keys per C tile
-      const int cols = amx_ ? rh_ : 16;
-      if (tile_cols != cols) amx_configure_scores(cols);
+    if (amx_ || amx_rows_) {  // amx_rows_: 16 query rows per C tile (tile_cols -1)
+      const int cols = amx_ ? rh_ : -1;
+      if (tile_cols != cols) {
+        if (amx_) amx_configure_scores(cols);
+        else amx_configure_rows();
+      }
       tile_cols = cols;
       if (amx_) stage_query_tiles();
     }
@@ -529,6 +537,66 @@ class ItemKernel {
         _mm512_storeu_ps(out + i * KEY_CHUNK, _mm512_mul_ps(_mm512_loadu_ps(out + i * KEY_CHUNK), scale));
     }
   }
+
+  // acc[r] += sum_j w[r][j] V[j] for rows [first, first + rh_) (one KV head, more than 16 rows)
+  // and the keys [j0, j1) of a unit (at most 16), on AMX: the V rows interleaved by key pairs
+  // into B tiles (8 pairs x 16 head-size elements, zeros for keys past j1), the rows' bf16
+  // weights as A tiles, each 16 x 16 block of the float32 accumulator loaded as C, one
+  // TDPBF16PS, stored back. acc stays in column order (store: no pair_column). A last group of
+  // fewer than 16 rows goes through zero-padded copies of its weights and accumulator rows.
+  void amx_row_values(int first, int j0, int j1, const at::BFloat16* const* vrows) {
+    const int keys = j1 - j0;
+    __m512i* vt = reinterpret_cast<__m512i*>(sc_.vt.data());  // [d / 16][8 key pairs]
+    struct alignas(64) Order { uint16_t word[32]; };
+    static const std::array<Order, 2> interleave = [] {  // word 2i + e <- row e's element i
+      std::array<Order, 2> o{};
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 16; ++i)
+          for (int e = 0; e < 2; ++e) o[h].word[2 * i + e] = static_cast<uint16_t>(32 * e + 16 * h + i);
+      return o;
+    }();
+    const __m512i lo_idx = _mm512_load_si512(interleave[0].word);
+    const __m512i hi_idx = _mm512_load_si512(interleave[1].word);
+    for (int kp = 0; kp < 8; ++kp) {
+      const at::BFloat16* v0 = 2 * kp < keys ? vrows[j0 + 2 * kp] : nullptr;
+      const at::BFloat16* v1 = 2 * kp + 1 < keys ? vrows[j0 + 2 * kp + 1] : nullptr;
+      for (int x = 0; x < d_; x += 32) {
+        const __m512i a = v0 != nullptr ? _mm512_loadu_si512(v0 + x) : _mm512_setzero_si512();
+        const __m512i b = v1 != nullptr ? _mm512_loadu_si512(v1 + x) : _mm512_setzero_si512();
+        _mm512_store_si512(vt + (x / 16) * 8 + kp, _mm512_permutex2var_epi16(a, lo_idx, b));
+        _mm512_store_si512(vt + (x / 16 + 1) * 8 + kp, _mm512_permutex2var_epi16(a, hi_idx, b));
+      }
+    }
+    for (int r0 = first; r0 < first + rh_; r0 += 16) {
+      const int n = std::min(16, first + rh_ - r0);
+      const uint16_t* w = &sc_.wb[r0 * KEY_CHUNK + j0];
+      int64_t w_stride = KEY_CHUNK * static_cast<int64_t>(sizeof(uint16_t));
+      float* acc = &sc_.acc[r0 * d_];
+      if (n < 16) {  // padded copies: n rows, then zeros
+        uint16_t* wp = sc_.wpad.data();
+        float* ap = sc_.apad.data();
+        std::fill_n(wp, 16 * 16, uint16_t{0});
+        std::fill_n(ap, 16 * d_, 0.f);
+        for (int i = 0; i < n; ++i) {
+          std::copy_n(w + i * KEY_CHUNK, 16, wp + 16 * i);
+          std::copy_n(acc + i * d_, d_, ap + i * d_);
+        }
+        w = wp;
+        w_stride = 16 * sizeof(uint16_t);
+        acc = ap;
+      }
+      const int64_t a_stride = d_ * static_cast<int64_t>(sizeof(float));
+      _tile_loadd(3, w, w_stride);
+      for (int x = 0; x < d_; x += 16) {
+        _tile_loadd(5, acc + x, a_stride);
+        _tile_loadd(4, vt + (x / 16) * 8, 64);
+        _tile_dpbf16ps(5, 3, 4);
+        _tile_stored(5, acc + x, a_stride);
+      }
+      if (n < 16)
+        for (int i = 0; i < n; ++i) std::copy_n(acc + i * d_, d_, &sc_.acc[(r0 + i) * d_]);
+    }
+  }
 #endif
 
   // Scaled scores of the NR rows from r0 for keys [j0, j1) (padded to a multiple of 4): each
@@ -642,6 +710,12 @@ class ItemKernel {
                   (std::is_same_v<C, at::BFloat16> || is_8bit_cache<C>())) {
       if (pairs_) {
         const at::BFloat16* const* rows = bf16_rows(vrows, j0, j1);
+#if defined(PK_AMX)
+        if (amx_rows_ && j1 - j0 <= UNIT_KEYS) {
+          amx_row_values(first, j0, j1, rows);
+          return;
+        }
+#endif
         for (int r0 = first; r0 < first + rh_; r0 += 4)
           switch (std::min(4, first + rh_ - r0)) {
             case 4: accumulate_pairs<4>(r0, j0, j1, rows); break;
@@ -801,7 +875,8 @@ class ItemKernel {
 
   // dst[pair_column(i)] = from_float<T>(a[i] * inv) for i < d (T = bf16, d % 32 == 0: the
   // vdpbf16ps path), 32 columns at a time: the rounded words permuted back into column order.
-  void store_pairs_row(T* dst, const float* a, float inv) const {
+  // With `permuted` false (amx_row_values keeps acc in column order) the words are not permuted.
+  void store_pairs_row(T* dst, const float* a, float inv, bool permuted) const {
 #if defined(PK_AVX512)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       struct alignas(64) Order { uint16_t word[32]; };
@@ -810,7 +885,12 @@ class ItemKernel {
         for (int e = 0; e < 32; ++e) o.word[pair_column(e)] = static_cast<uint16_t>(e);
         return o;
       }();
-      const __m512i idx = _mm512_load_si512(order.word);
+      static const Order identity = [] {
+        Order o{};
+        for (int e = 0; e < 32; ++e) o.word[e] = static_cast<uint16_t>(e);
+        return o;
+      }();
+      const __m512i idx = _mm512_load_si512(permuted ? order.word : identity.word);
       const __m512 scale = _mm512_set1_ps(inv);
       for (int x = 0; x < d_; x += 32) {
         const __m256i lo = bf16_bits(_mm512_mul_ps(_mm512_loadu_ps(a + x), scale));
@@ -821,7 +901,7 @@ class ItemKernel {
       return;
     }
 #endif
-    for (int i = 0; i < d_; ++i) dst[pair_column(i)] = from_float<T>(a[i] * inv);
+    for (int i = 0; i < d_; ++i) dst[permuted ? pair_column(i) : i] = from_float<T>(a[i] * inv);
   }
 
   void store() {
@@ -831,7 +911,7 @@ class ItemKernel {
       const float inv = sc_.l[r] > 0.f ? kv_scale(p_.v_scale, r) / sc_.l[r] : 0.f;
       const float* a = &sc_.acc[r * d_];
       if (pairs_)
-        store_pairs_row(dst, a, inv);
+        store_pairs_row(dst, a, inv, !amx_rows_);
       else
         for (int i = 0; i < d_; ++i) dst[i] = from_float<T>(a[i] * inv);
       if (p_.lse != nullptr)
