@@ -129,9 +129,10 @@ class ItemKernel {
 #endif
   }
 
-  // `tile_cols`: the B/C tile width this thread's tile configuration holds (0: none); an item
-  // on AMX loads its own when it differs and leaves it for the next item (run_items releases the
-  // tiles after the thread's last item).
+  // `tile_cols`: the tile configuration this thread holds (0: none; n > 0: the scores' B/C width
+  // of amx_configure_scores(n); -1: amx_configure_rows); an item on AMX loads its own when it
+  // differs and leaves it for the next item (run_items releases the tiles after the thread's
+  // last item).
   void run(int& tile_cols) {
     load_queries();
 #if defined(PK_AMX)
@@ -928,10 +929,10 @@ class ItemKernel {
   const Item& it_;
   Scratch<T, C>& sc_;
   const int d_, g_, rh_, nh_, rows_;  // rows per KV head, KV heads, rows of the item
-  const bool pairs_;  // P.V by accumulate_pairs (acc in pair_column order)
+  const bool pairs_;  // P.V by accumulate_pairs (acc in pair_column order) unless amx_rows_
   const bool amx_;    // Q.K^T of whole 16-key units on AMX tiles (amx_scores)
-  const bool amx_rows_;  // more rows per KV head: the transposed keys times 16-row query tiles
-                         // on AMX (amx_row_scores)
+  const bool amx_rows_;  // more than 16 rows per KV head: Q.K^T and P.V on AMX, 16 rows per tile
+                         // (amx_row_scores, amx_row_values; acc in column order)
 };
 
 template <typename T, typename C>
