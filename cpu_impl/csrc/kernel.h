@@ -453,13 +453,18 @@ class ItemKernel {
   }
 
 #if defined(PK_AMX)
+  // Lane i holds i * k: the 32-bit element offsets of a column of a row-major k-wide matrix.
+  static __m512i lane_multiples(int k) {
+    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                              _mm512_set1_epi32(k));
+  }
+
   // The queries as AMX B tiles, per KV head hh and 32-element slice x of the head size: tile row i
   // holds, for each of the head's rh_ rows, the bf16 pair (q[2i], q[2i + 1]) of the slice.
   void stage_query_tiles() {
     const int slices = d_ / 32;
     uint32_t* qt = sc_.qt.data();
-    const __m512i stride = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(rh_));
+    const __m512i stride = lane_multiples(rh_);
     for (int hh = 0; hh < nh_; ++hh)
       for (int x = 0; x < slices; ++x)
         for (int r = 0; r < rh_; ++r)  // row r's 16 pairs of the slice to qt[... + i * rh_ + r]
@@ -490,8 +495,7 @@ class ItemKernel {
     float* c = sc_.cbuf.data();
     _tile_stored(2, c, 64);
     const __m512 scale = _mm512_set1_ps(p_.scale * kv_scale(p_.k_scale, hh * rh_));
-    const __m512i column = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+    const __m512i column = lane_multiples(16);
     for (int r = 0; r < rh_; ++r) {
       const __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(r)), c, 4);
       _mm512_storeu_ps(&sc_.scores[(hh * rh_ + r) * KEY_CHUNK + j0], _mm512_mul_ps(s, scale));
@@ -886,18 +890,13 @@ class ItemKernel {
         for (int e = 0; e < 32; ++e) o.word[pair_column(e)] = static_cast<uint16_t>(e);
         return o;
       }();
-      static const Order identity = [] {
-        Order o{};
-        for (int e = 0; e < 32; ++e) o.word[e] = static_cast<uint16_t>(e);
-        return o;
-      }();
-      const __m512i idx = _mm512_load_si512(permuted ? order.word : identity.word);
+      const __m512i idx = _mm512_load_si512(order.word);
       const __m512 scale = _mm512_set1_ps(inv);
       for (int x = 0; x < d_; x += 32) {
         const __m256i lo = bf16_bits(_mm512_mul_ps(_mm512_loadu_ps(a + x), scale));
         const __m256i hi = bf16_bits(_mm512_mul_ps(_mm512_loadu_ps(a + x + 16), scale));
         const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        _mm512_storeu_si512(dst + x, _mm512_permutexvar_epi16(idx, words));
+        _mm512_storeu_si512(dst + x, permuted ? _mm512_permutexvar_epi16(idx, words) : words);
       }
       return;
     }
