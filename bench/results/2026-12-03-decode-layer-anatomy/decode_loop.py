@@ -1,0 +1,47 @@
+"""Batch-16 decode steps of the default model for SECONDS, for a profiler to attach to: prefills
+16 random 256-token prompts, runs 5 decode steps, writes this process's pid to STARTED, then
+steps until SECONDS have passed and prints the mean step time.
+
+    python decode_loop.py SECONDS STARTED
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model.loader import load_model
+from engine.sampling_params import SamplingParams
+
+
+def main() -> None:
+    seconds, started = float(sys.argv[1]), Path(sys.argv[2])
+    torch.set_num_threads(2)
+    engine = LLMEngine(load_model(None, dtype=torch.bfloat16, quantization="gguf"),
+                       config=EngineConfig(max_model_len=1024))
+    rng = random.Random(0)
+    for i in range(16):
+        engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(256)],
+                           SamplingParams(max_tokens=700, ignore_eos=True, temperature=0.0))
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
+                                          for g in engine.scheduler.running for s in g.seqs):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    started.write_text(str(os.getpid()))
+    t, steps = time.perf_counter(), 0
+    while time.perf_counter() - t < seconds:
+        engine.step()
+        steps += 1
+    print(f"{steps} steps, {(time.perf_counter() - t) / steps * 1e3:.1f} ms per step")
+
+
+if __name__ == "__main__":
+    main()

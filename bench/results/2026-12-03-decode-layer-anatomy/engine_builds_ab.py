@@ -1,0 +1,71 @@
+"""Decode steps of one engine (default model, gguf, bfloat16, batch 16) with two builds of
+engine/csrc/tiled_matmul.cpp swapped in turns, 10 steps at a time, in one process:
+
+    python engine_builds_ab.py ROUNDS A.cpp B.cpp
+
+Both builds read the same packed weights (the packing code is the same in both). Prints each
+build's median and mean ms per decode step over the rounds.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model import quant_tiled
+from engine.model.loader import load_model
+from engine.native_build import TILED_TIERS, TiledKernel
+from engine.sampling_params import SamplingParams
+from paged_kernels.cpp_build import compile_flags, load_library
+
+
+class Current:
+    """Stands in for quant_tiled's lazy kernel: `get` returns the build in use."""
+
+    def __init__(self, kernel: TiledKernel) -> None:
+        self.kernel = kernel
+
+    def get(self, kernel: TiledKernel | None = None) -> TiledKernel:
+        return kernel or self.kernel
+
+
+def main() -> None:
+    rounds, sources = int(sys.argv[1]), sys.argv[2:4]
+    torch.set_num_threads(2)
+    builds = [TiledKernel(load_library(Path(s).resolve(), f"engine_ab{i}",
+                                       compile_flags(TILED_TIERS), s))
+              for i, s in enumerate(sources)]
+    current = Current(builds[0])
+    quant_tiled._KERNEL = current
+    engine = LLMEngine(load_model(None, dtype=torch.bfloat16, quantization="gguf"),
+                       config=EngineConfig(max_model_len=1024))
+    rng = random.Random(0)
+    for i in range(16):
+        engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(256)],
+                           SamplingParams(max_tokens=900, ignore_eos=True, temperature=0.0))
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
+                                          for g in engine.scheduler.running for s in g.seqs):
+        engine.step()
+    times: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for i, build in enumerate(builds):
+            current.kernel = build
+            engine.step()  # first step after the swap: not timed
+            t = time.perf_counter()
+            for _ in range(10):
+                engine.step()
+            times[i].append((time.perf_counter() - t) / 10 * 1e3)
+    for source, ms in zip(sources, times):
+        print(f"{source}: median {statistics.median(ms):.2f} ms, mean {statistics.mean(ms):.2f}"
+              f" ms per step over {len(ms)} rounds of 10")
+
+
+if __name__ == "__main__":
+    main()
