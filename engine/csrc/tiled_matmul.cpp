@@ -31,7 +31,8 @@
 // block sums S); each weight vector (16 features x 2 k) meets every row of a group through one
 // vdpbf16ps with the row's x pair broadcast ({1to16}). It is unpacked once per call: with several
 // groups, the first writes the tile's vectors to a per-thread buffer (K/2 x 64 bytes) that the
-// others read. Every weight byte is read from memory once per call (prefetched 8 tile-blocks
+// others read. Fewer than CHAIN_ROWS rows go through two tiles at a time, their chains
+// interleaved. Every weight byte is read from memory once per call (prefetched 8 tile-blocks
 // ahead by groups of 8 rows or more).
 // Bytes moved per call: the packed weights, M * K bf16 activations per tile sweep (from cache),
 // M * K/32 float32 block sums, M * N bf16 outputs.
@@ -255,78 +256,100 @@ inline __m512i q8_vector(const uint8_t* chunk) {
   return (__m512i)_mm512_cvtne2ps_pbh(o, e);  // words 0..15 from e, 16..31 from o
 }
 
-// Rows m0..m0+MT of tile t: MT float32 accumulators of 16 features (and the block sums S, in
-// CH chains) stay in registers across the K blocks. `unpacked` (null: unpack in registers only):
-// the tile's weight vectors, K/2 of them, written by the first group (`fresh`) and read by the
-// next ones, so that a tile is unpacked once per call.
-template <int QTYPE, int MT>
+// Rows m0..m0+MT of tiles t..t+NT-1: NT x MT float32 accumulators of 16 features (and the block
+// sums S, in CH chains) stay in registers across the K blocks. The NT tiles' work is independent
+// and interleaved, so that their chains overlap (one tile of one row has two chains of 8
+// dependent vdpbf16ps per block); measured at 1 row, 2 threads: the Q8_0 LM head 13 % faster,
+// the Q4_1 projections 2 % (bench/results/2026-12-03-decode-roofline). Each tile's arithmetic
+// is the same at any NT. `unpacked` (null: unpack in registers only; NT
+// must be 1 otherwise): the tile's weight vectors, K/2 of them, written by the first group
+// (`fresh`) and read by the next ones, so that a tile is unpacked once per call.
+template <int QTYPE, int MT, int NT = 1>
 void tile_simd(const Problem& p, int64_t t, int64_t m0, __m512i* unpacked, bool fresh) {
+  static_assert(NT == 1 || MT < CHAIN_ROWS, "several tiles at once: groups of few rows only");
   constexpr int CH = MT < CHAIN_ROWS ? 2 : 1;
   constexpr int64_t TB = QTYPE == 0 ? Q4_TB : Q8_TB;
   const __m512i table = _mm512_loadu_si512(gguf_scalars::kNibbleBf16);  // nibble -> bf16
-  __m512 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-  const uint8_t* base = p.w + t * p.nb * TB;
+  const bool shared = NT == 1 && unpacked != nullptr;
+  __m512 acc[NT][MT];
+  for (int u = 0; u < NT; ++u)
+    for (int i = 0; i < MT; ++i) acc[u][i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.nb; ++b) {
-    const uint8_t* blk = base + b * TB;
+    const uint8_t* blk[NT];
+    for (int u = 0; u < NT; ++u) blk[u] = p.w + ((t + u) * p.nb + b) * TB;
     if (MT >= 8 && (unpacked == nullptr || fresh))  // measured: -15 % at 8-16 rows (gate_up)
-      prefetch_bytes<_MM_HINT_T0>(blk + PREFETCH_BLOCKS * TB, TB);
+      prefetch_bytes<_MM_HINT_T0>(blk[0] + PREFETCH_BLOCKS * TB, TB);
     const uint16_t* xb = p.x + m0 * p.K + b * QK;
-    __m512 s[CH][MT];
-    for (int c = 0; c < CH; ++c)
-      for (int i = 0; i < MT; ++i) s[c][i] = _mm512_setzero_ps();
+    __m512 s[NT][CH][MT];
+    for (int u = 0; u < NT; ++u)
+      for (int c = 0; c < CH; ++c)
+        for (int i = 0; i < MT; ++i) s[u][c][i] = _mm512_setzero_ps();
     if (QTYPE == 0) {
       for (int c = 0; c < 8; ++c) {
-        __m512i lo, hi;
-        if (unpacked != nullptr && !fresh) {
-          lo = _mm512_load_si512(unpacked + b * PAIRS + c);
-          hi = _mm512_load_si512(unpacked + b * PAIRS + c + 8);
-        } else {
-          q4_vectors(blk + 32 * c, table, lo, hi);
-          if (unpacked != nullptr) {
-            _mm512_store_si512(unpacked + b * PAIRS + c, lo);
-            _mm512_store_si512(unpacked + b * PAIRS + c + 8, hi);
+#pragma GCC unroll 2
+        for (int u = 0; u < NT; ++u) {
+          __m512i lo, hi;
+          if (shared && !fresh) {
+            lo = _mm512_load_si512(unpacked + b * PAIRS + c);
+            hi = _mm512_load_si512(unpacked + b * PAIRS + c + 8);
+          } else {
+            q4_vectors(blk[u] + 32 * c, table, lo, hi);
+            if (shared) {
+              _mm512_store_si512(unpacked + b * PAIRS + c, lo);
+              _mm512_store_si512(unpacked + b * PAIRS + c + 8, hi);
+            }
           }
+#pragma GCC unroll 16
+          for (int i = 0; i < MT; ++i) s[u][0][i] = dp_bcast(s[u][0][i], lo, xb + i * p.K + 2 * c);
+#pragma GCC unroll 16
+          for (int i = 0; i < MT; ++i)
+            s[u][CH - 1][i] = dp_bcast(s[u][CH - 1][i], hi, xb + i * p.K + 2 * (c + 8));
         }
-#pragma GCC unroll 16
-        for (int i = 0; i < MT; ++i) s[0][i] = dp_bcast(s[0][i], lo, xb + i * p.K + 2 * c);
-#pragma GCC unroll 16
-        for (int i = 0; i < MT; ++i)
-          s[CH - 1][i] = dp_bcast(s[CH - 1][i], hi, xb + i * p.K + 2 * (c + 8));
       }
     } else {
       for (int pp = 0; pp < PAIRS; ++pp) {
-        __m512i w;
-        if (unpacked != nullptr && !fresh) {
-          w = _mm512_load_si512(unpacked + b * PAIRS + pp);
-        } else {
-          w = q8_vector(blk + 32 * pp);
-          if (unpacked != nullptr) _mm512_store_si512(unpacked + b * PAIRS + pp, w);
-        }
         const int c = CH == 2 ? pp % 2 : 0;
+#pragma GCC unroll 2
+        for (int u = 0; u < NT; ++u) {
+          __m512i w;
+          if (shared && !fresh) {
+            w = _mm512_load_si512(unpacked + b * PAIRS + pp);
+          } else {
+            w = q8_vector(blk[u] + 32 * pp);
+            if (shared) _mm512_store_si512(unpacked + b * PAIRS + pp, w);
+          }
 #pragma GCC unroll 16
-        for (int i = 0; i < MT; ++i) s[c][i] = dp_bcast(s[c][i], w, xb + i * p.K + 2 * pp);
+          for (int i = 0; i < MT; ++i) s[u][c][i] = dp_bcast(s[u][c][i], w, xb + i * p.K + 2 * pp);
+        }
       }
     }
-    const uint8_t* sc = blk + (QTYPE == 0 ? 256 : 512);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
     const float* sx = p.sx + b * p.M + m0;
+#pragma GCC unroll 2
+    for (int u = 0; u < NT; ++u) {
+      const uint8_t* sc = blk[u] + (QTYPE == 0 ? 256 : 512);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
 #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) {
-      const __m512 sum = CH == 2 ? _mm512_add_ps(s[0][i], s[CH - 1][i]) : s[0][i];
-      acc[i] = _mm512_fmadd_ps(sum, d, acc[i]);
-    }
-    if (QTYPE == 0) {
-      const __m512 m =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
+      for (int i = 0; i < MT; ++i) {
+        const __m512 sum = CH == 2 ? _mm512_add_ps(s[u][0][i], s[u][CH - 1][i]) : s[u][0][i];
+        acc[u][i] = _mm512_fmadd_ps(sum, d, acc[u][i]);
+      }
+      if (QTYPE == 0) {
+        const __m512 m =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
 #pragma GCC unroll 16
-      for (int i = 0; i < MT; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i]), acc[i]);
+        for (int i = 0; i < MT; ++i)
+          acc[u][i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i]), acc[u][i]);
+      }
     }
   }
-  const int64_t n0 = t * TILE;
-  const __mmask16 mask = p.N - n0 >= TILE ? 0xFFFF : static_cast<__mmask16>((1u << (p.N - n0)) - 1);
-  for (int i = 0; i < MT; ++i)
-    _mm256_mask_storeu_epi16(p.y + (m0 + i) * p.N + n0, mask, (__m256i)_mm512_cvtneps_pbh(acc[i]));
+  for (int u = 0; u < NT; ++u) {
+    const int64_t n0 = (t + u) * TILE;
+    const __mmask16 mask =
+        p.N - n0 >= TILE ? 0xFFFF : static_cast<__mmask16>((1u << (p.N - n0)) - 1);
+    for (int i = 0; i < MT; ++i)
+      _mm256_mask_storeu_epi16(p.y + (m0 + i) * p.N + n0, mask,
+                               (__m256i)_mm512_cvtneps_pbh(acc[u][i]));
+  }
 }
 
 template <int QTYPE>
@@ -339,6 +362,16 @@ void tile_rows(const Problem& p, int64_t t, int64_t m0, int64_t mt, __m512i* unp
     TM_CASE(9) TM_CASE(10) TM_CASE(11) TM_CASE(12) TM_CASE(13) TM_CASE(14) TM_CASE(15)
 #undef TM_CASE
     default: tile_simd<QTYPE, M_TILE>(p, t, m0, unpacked, fresh); break;
+  }
+}
+
+// Tiles t and t + 1 for all of a call's rows, when there are fewer than CHAIN_ROWS (one group).
+template <int QTYPE>
+void tile_pair_rows(const Problem& p, int64_t t, int64_t mt) {
+  switch (mt) {
+    case 1: tile_simd<QTYPE, 1, 2>(p, t, 0, nullptr, true); break;
+    case 2: tile_simd<QTYPE, 2, 2>(p, t, 0, nullptr, true); break;
+    default: tile_simd<QTYPE, 3, 2>(p, t, 0, nullptr, true); break;
   }
 }
 
@@ -559,6 +592,20 @@ void matmul_share(const Problem& p, int64_t id, int64_t n) {
   const int64_t groups = (p.M + M_TILE - 1) / M_TILE;
 #if defined(TM_SIMD)
   __m512i* unpacked = unpacked_buffer(p, groups);
+#endif
+#if defined(TM_SIMD)
+  if (p.M < CHAIN_ROWS) {  // one group of few rows: two tiles at a time (tile_simd)
+    int64_t t = t0;
+    for (; t + 1 < t1; t += 2) {
+      if (p.qtype == 0) tile_pair_rows<0>(p, t, p.M);
+      else tile_pair_rows<1>(p, t, p.M);
+    }
+    if (t < t1) {
+      if (p.qtype == 0) tile_rows<0>(p, t, 0, p.M, nullptr, true);
+      else tile_rows<1>(p, t, 0, p.M, nullptr, true);
+    }
+    return;
+  }
 #endif
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t g = 0, m0 = 0; g < groups; ++g) {  // balanced: sizes differ by at most one

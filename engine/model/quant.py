@@ -124,6 +124,17 @@ class QuantizedWeight:
         the file's layout (`GGUFBlocks`, read by `quantized_linear`)."""
         return isinstance(self.blocks, TiledWeight)
 
+    def operand(self, rows: int) -> torch.Tensor:
+        """The tensor that the model's `_linear` (engine/model/decoder.py) reads for `rows`
+        activation rows: the int8 tiles when the weight has them, else the blocks (tiled or in
+        the file's layout) when `rows <= max_rows`, else the dense weight. Its bytes are what
+        one such matmul streams from memory (bench/decode_roofline.py)."""
+        if self.int8 is not None:
+            return self.int8.packed
+        if rows <= self.max_rows:
+            return self.blocks.packed if self.tiled else self.blocks.data
+        return self.dense
+
     def use_blocks(self, x: torch.Tensor) -> bool:
         """Whether the model's `_linear(x, self)` reads the blocks (few rows) rather than the
         dense weight."""

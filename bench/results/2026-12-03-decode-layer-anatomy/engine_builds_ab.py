@@ -1,7 +1,7 @@
-"""Decode steps of one engine (default model, gguf, bfloat16, batch 16) with two builds of
-engine/csrc/tiled_matmul.cpp swapped in turns, 10 steps at a time, in one process:
+"""Decode steps of one engine (default model, gguf, bfloat16, batch BATCH, default 16) with two
+builds of engine/csrc/tiled_matmul.cpp swapped in turns, 10 steps at a time, in one process:
 
-    python engine_builds_ab.py ROUNDS A.cpp B.cpp
+    python engine_builds_ab.py ROUNDS A.cpp B.cpp [BATCH]
 
 Both builds read the same packed weights (the packing code is the same in both). Prints each
 build's median and mean ms per decode step over the rounds.
@@ -38,6 +38,7 @@ class Current:
 
 def main() -> None:
     rounds, sources = int(sys.argv[1]), sys.argv[2:4]
+    batch = int(sys.argv[4]) if len(sys.argv) > 4 else 16
     torch.set_num_threads(2)
     builds = [TiledKernel(load_library(Path(s).resolve(), f"engine_ab{i}",
                                        compile_flags(TILED_TIERS), s))
@@ -47,7 +48,7 @@ def main() -> None:
     engine = LLMEngine(load_model(None, dtype=torch.bfloat16, quantization="gguf"),
                        config=EngineConfig(max_model_len=1024))
     rng = random.Random(0)
-    for i in range(16):
+    for i in range(batch):
         engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(256)],
                            SamplingParams(max_tokens=900, ignore_eos=True, temperature=0.0))
     while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1

@@ -2,10 +2,11 @@
 each of its parts, timed alone in a loop, then the forward with its matmuls, attention and KV
 write replaced by outputs computed once (what is left: the fused layer ops, Python, dispatch).
 
-    python layer_parts.py [THREADS]
+    python layer_parts.py [THREADS] [BATCH]
 
-The engine (gguf, bfloat16) prefills 16 random 256-token prompts, runs one decode step that
-records the arguments of its sixth layer call, and times with those (best of 7 x 300 calls).
+The engine (gguf, bfloat16) prefills BATCH (default 16) random 256-token prompts, runs one
+decode step that records the arguments of its sixth layer call, and times with those (best of
+7 x 300 calls).
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ class ComputedOnce:
 
 def main() -> None:
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    batch = int(sys.argv[2]) if len(sys.argv) > 2 else 16
     engine = LLMEngine(load_model(None, dtype=torch.bfloat16, quantization="gguf"),
                        config=EngineConfig(max_model_len=1024))
     rng = random.Random(0)
-    for i in range(16):
+    for i in range(batch):
         engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(256)],
                            SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0))
     while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
