@@ -77,30 +77,55 @@ class _FProxy:
         return getattr(F, name)
 
 
+def add_prompts(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int) -> None:
+    """`batch` greedy requests of `prompt_len` random token ids (seeded), each generating
+    `max_tokens` tokens whatever it samples."""
+    rng = random.Random(0)
+    for i in range(batch):
+        engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(prompt_len)],
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                          temperature=0.0))
+
+
+def prefill(engine: LLMEngine) -> int:
+    """Steps `engine` until every request is decoding (one token left to compute each);
+    returns the steps taken."""
+    steps = 0
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
+                                          for g in engine.scheduler.running for s in g.seqs):
+        engine.step()
+        steps += 1
+    return steps
+
+
+def decoding_engine(loaded: Any, batch: int, prompt_len: int = 256, max_tokens: int = 900,
+                    max_model_len: int = 1024) -> LLMEngine:
+    """An engine on `loaded` whose `batch` requests (`add_prompts`) are prefilled and decoding:
+    what the decode-step experiments under bench/results start from."""
+    engine = LLMEngine(loaded, config=EngineConfig(max_model_len=max_model_len))
+    add_prompts(engine, batch, prompt_len, max_tokens)
+    prefill(engine)
+    return engine
+
+
 def profile(loaded: Any, batch: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """{"prefill": ..., "decode": ...}: each phase's breakdown per step and its tokens/s."""
     engine = LLMEngine(loaded, config=EngineConfig(max_model_len=args.prompt_len + 64 +
                                                    args.steps + 8, backend=args.backend))
     engine.sampler.sample = timed("sampling", engine.sampler.sample)
-    rng = random.Random(0)
-    for i in range(batch):
-        engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(args.prompt_len)],
-                           SamplingParams(max_tokens=args.steps + 16, ignore_eos=True,
-                                          temperature=0.0))
+    add_prompts(engine, batch, args.prompt_len, args.steps + 16)
     TIMES.clear()
-    t, steps = clock(), 0
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
-                                          for g in engine.scheduler.running for s in g.seqs):
-        engine.step()
-        steps += 1
-    prefill = _breakdown(clock() - t, steps, batch * args.prompt_len)
+    t = clock()
+    steps = prefill(engine)
+    prefill_row = _breakdown(clock() - t, steps, batch * args.prompt_len)
     for _ in range(3):
         engine.step()  # warm up the decode path
     TIMES.clear()
     t = clock()
     for _ in range(args.steps):
         engine.step()
-    return {"prefill": prefill, "decode": _breakdown(clock() - t, args.steps, batch * args.steps)}
+    return {"prefill": prefill_row,
+            "decode": _breakdown(clock() - t, args.steps, batch * args.steps)}
 
 
 def _breakdown(seconds: float, steps: int, tokens: int) -> dict[str, float]:

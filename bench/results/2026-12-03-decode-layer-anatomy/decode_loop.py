@@ -8,31 +8,21 @@ steps until SECONDS have passed and prints the mean step time.
 from __future__ import annotations
 
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from bench.serve_profile import decoding_engine
 from engine.model.loader import load_model
-from engine.sampling_params import SamplingParams
 
 
 def main() -> None:
     seconds, started = float(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(2)
-    engine = LLMEngine(load_model(None, dtype=torch.bfloat16, quantization="gguf"),
-                       config=EngineConfig(max_model_len=1024))
-    rng = random.Random(0)
-    for i in range(16):
-        engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(256)],
-                           SamplingParams(max_tokens=700, ignore_eos=True, temperature=0.0))
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
-                                          for g in engine.scheduler.running for s in g.seqs):
-        engine.step()
+    loaded = load_model(None, dtype=torch.bfloat16, quantization="gguf")
+    engine = decoding_engine(loaded, 16, max_tokens=700)
     for _ in range(5):
         engine.step()
     started.write_text(str(os.getpid()))

@@ -9,7 +9,6 @@ build's median and mean ms per decode step over the rounds.
 
 from __future__ import annotations
 
-import random
 import statistics
 import sys
 import time
@@ -17,12 +16,10 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from bench.serve_profile import decoding_engine
 from engine.model import quant_tiled
 from engine.model.loader import load_model
 from engine.native_build import TILED_TIERS, TiledKernel
-from engine.sampling_params import SamplingParams
 from paged_kernels.cpp_build import compile_flags, load_library
 
 
@@ -45,15 +42,8 @@ def main() -> None:
               for i, s in enumerate(sources)]
     current = Current(builds[0])
     quant_tiled._KERNEL = current
-    engine = LLMEngine(load_model(None, dtype=torch.bfloat16, quantization="gguf"),
-                       config=EngineConfig(max_model_len=1024))
-    rng = random.Random(0)
-    for i in range(batch):
-        engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(256)],
-                           SamplingParams(max_tokens=900, ignore_eos=True, temperature=0.0))
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
-                                          for g in engine.scheduler.running for s in g.seqs):
-        engine.step()
+    loaded = load_model(None, dtype=torch.bfloat16, quantization="gguf")
+    engine = decoding_engine(loaded, batch, max_tokens=900)
     times: list[list[float]] = [[], []]
     for _ in range(rounds):
         for i, build in enumerate(builds):

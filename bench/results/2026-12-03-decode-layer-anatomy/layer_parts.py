@@ -11,7 +11,6 @@ decode step that records the arguments of its sixth layer call, and times with t
 
 from __future__ import annotations
 
-import random
 import sys
 import timeit
 from typing import Any, Callable
@@ -19,11 +18,10 @@ from typing import Any, Callable
 import torch
 
 import engine.model.decoder as dec
-from engine.config import EngineConfig
+from bench.serve_profile import decoding_engine
 from engine.llm_engine import LLMEngine
 from engine.model import layer_ops
 from engine.model.loader import load_model
-from engine.sampling_params import SamplingParams
 
 
 def decode_layer_call(engine: LLMEngine, which: int = 6) -> tuple[Any, tuple, dict]:
@@ -68,15 +66,8 @@ class ComputedOnce:
 def main() -> None:
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 16
-    engine = LLMEngine(load_model(None, dtype=torch.bfloat16, quantization="gguf"),
-                       config=EngineConfig(max_model_len=1024))
-    rng = random.Random(0)
-    for i in range(batch):
-        engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(256)],
-                           SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0))
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
-                                          for g in engine.scheduler.running for s in g.seqs):
-        engine.step()
+    loaded = load_model(None, dtype=torch.bfloat16, quantization="gguf")
+    engine = decoding_engine(loaded, batch, max_tokens=64)
     layer, args, kwargs = decode_layer_call(engine)
     hidden, residual, rotary, kv_cache, plans = args[:5]
     res = residual.clone()

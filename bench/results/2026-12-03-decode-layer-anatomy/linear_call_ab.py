@@ -11,7 +11,6 @@ ms per step of each and their paired differences.
 
 from __future__ import annotations
 
-import random
 import statistics
 import sys
 import time
@@ -20,13 +19,11 @@ from typing import Any, Optional
 import torch
 
 import engine.model.decoder as decoder
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from bench.serve_profile import decoding_engine
 from engine.model import quant_tiled
 from engine.model.loader import load_model
 from engine.model.quant import QuantizedWeight
 from engine.native_build import _QTYPES
-from engine.sampling_params import SamplingParams
 
 
 def shortest(linear: Any) -> Any:
@@ -53,15 +50,8 @@ def shortest(linear: Any) -> Any:
 def main() -> None:
     rounds = int(sys.argv[1])
     torch.set_num_threads(2)
-    engine = LLMEngine(load_model(None, dtype=torch.bfloat16, quantization="gguf"),
-                       config=EngineConfig(max_model_len=1024))
-    rng = random.Random(0)
-    for i in range(16):
-        engine.add_request(str(i), [rng.randrange(256, 32000) for _ in range(256)],
-                           SamplingParams(max_tokens=900, ignore_eos=True, temperature=0.0))
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
-                                          for g in engine.scheduler.running for s in g.seqs):
-        engine.step()
+    loaded = load_model(None, dtype=torch.bfloat16, quantization="gguf")
+    engine = decoding_engine(loaded, 16, max_tokens=900)
     shipped = decoder._linear
     variants = {"shipped": shipped, "shortest": shortest(shipped)}
     times: dict[str, list[float]] = {name: [] for name in variants}
