@@ -261,9 +261,9 @@ inline __m512i q8_vector(const uint8_t* chunk) {
 // and interleaved, so that their chains overlap (one tile of one row has two chains of 8
 // dependent vdpbf16ps per block); measured at 1 row, 2 threads: the Q8_0 LM head 13 % faster,
 // the Q4_1 projections 2 % (bench/results/2026-12-03-decode-roofline). Each tile's arithmetic
-// is the same at any NT. `unpacked` (null: unpack in registers only; NT
-// must be 1 otherwise): the tile's weight vectors, K/2 of them, written by the first group
-// (`fresh`) and read by the next ones, so that a tile is unpacked once per call.
+// is the same at any NT. `unpacked` (null: unpack in registers only; used at NT = 1 only): the
+// tile's weight vectors, K/2 of them, written by the first group (`fresh`) and read by the next
+// ones, so that a tile is unpacked once per call.
 template <int QTYPE, int MT, int NT = 1>
 void tile_simd(const Problem& p, int64_t t, int64_t m0, __m512i* unpacked, bool fresh) {
   static_assert(NT == 1 || MT < CHAIN_ROWS, "several tiles at once: groups of few rows only");
@@ -591,9 +591,6 @@ void matmul_share(const Problem& p, int64_t id, int64_t n) {
   const int64_t t0 = tiles * id / n, t1 = tiles * (id + 1) / n;
   const int64_t groups = (p.M + M_TILE - 1) / M_TILE;
 #if defined(TM_SIMD)
-  __m512i* unpacked = unpacked_buffer(p, groups);
-#endif
-#if defined(TM_SIMD)
   if (p.M < CHAIN_ROWS) {  // one group of few rows: two tiles at a time (tile_simd)
     int64_t t = t0;
     for (; t + 1 < t1; t += 2) {
@@ -606,6 +603,7 @@ void matmul_share(const Problem& p, int64_t id, int64_t n) {
     }
     return;
   }
+  __m512i* unpacked = unpacked_buffer(p, groups);
 #endif
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t g = 0, m0 = 0; g < groups; ++g) {  // balanced: sizes differ by at most one
