@@ -65,7 +65,7 @@ def native() -> Optional[ModuleType]:
 
 
 def _fused(t: torch.Tensor) -> Optional[ModuleType]:
-    if t.device.type != "cpu" or t.dtype not in _NATIVE_DTYPES:
+    if not t.is_cpu or t.dtype not in _NATIVE_DTYPES:  # is_cpu: a third of device.type's cost
         return None
     return native()
 
