@@ -531,15 +531,19 @@ class ItemKernel {
         _tile_dpbf16ps(2, 0, 1);
       }
       float* out = &sc_.scores[r0 * KEY_CHUNK + j0];
+      const float* c = out;  // where C was stored: the score rows, or the C buffer
+      int64_t c_stride = KEY_CHUNK;
       if (n == 16) {
         _tile_stored(2, out, KEY_CHUNK * static_cast<int64_t>(sizeof(float)));
       } else {
         _tile_stored(2, sc_.cbuf.data(), 64);
-        for (int i = 0; i < n; ++i)
-          _mm512_storeu_ps(out + i * KEY_CHUNK, _mm512_load_ps(sc_.cbuf.data() + 16 * i));
+        c = sc_.cbuf.data();
+        c_stride = 16;
       }
-      for (int i = 0; i < n; ++i)
-        _mm512_storeu_ps(out + i * KEY_CHUNK, _mm512_mul_ps(_mm512_loadu_ps(out + i * KEY_CHUNK), scale));
+      for (int i = 0; i < n; ++i) {  // scaled into the score rows in one pass
+        const __m512 s = _mm512_loadu_ps(c + i * c_stride);
+        _mm512_storeu_ps(out + i * KEY_CHUNK, _mm512_mul_ps(s, scale));
+      }
     }
   }
 
