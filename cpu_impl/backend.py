@@ -14,6 +14,10 @@ CPU's caches, in order (csrc/read_ahead.h), where the last-level cache is small 
 the kernel's scattered loads (docs/cpu.md). With a larger last-level cache a decode step's K/V
 stays cached from step to step and the sweep only costs time. `read_ahead` (this module's) is
 the switch.
+
+Every work item requests its K/V lines `prefetch_lines` 64-byte lines ahead of its reads, a few
+at a time as it reads (csrc/line_cursor.h): the loads of later blocks then overlap the
+arithmetic. `prefetch_lines` (this module's, read at every call; 0 turns it off) is the distance.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ QUERY_TILE = 16
 #: faster with the read-ahead on 2-core Zen 3 and Zen 4 machines with 32 MiB of L3, slower on a
 #: 2-core Xeon with 105 MiB (docs/cpu.md).
 READ_AHEAD_MAX_LLC = 64 << 20
+#: The paced prefetch's default distance in 64-byte lines (8 KiB): 64 and 128 were the fastest of
+#: 64-512 on cold decode (bench/results/2026-12-03-paced-prefetch).
+PREFETCH_LINES = 128
 #: sysfs cache size suffixes.
 _SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -76,6 +83,9 @@ def default_read_ahead(llc: Optional[int]) -> bool:
 #: Whether a decode call sweeps its K/V blocks into the CPU's caches before the attention (read at
 #: every call).
 read_ahead = default_read_ahead(last_level_cache_bytes())
+#: How far ahead of its reads each work item requests its K/V, in 64-byte lines (0: no prefetch;
+#: read at every call).
+prefetch_lines = PREFETCH_LINES
 
 
 class CpuBackend(Backend):
@@ -108,7 +118,8 @@ class CpuBackend(Backend):
             p.out, p.lse, p.alibi_slopes, p.scale,
             0 if p.sliding_window is None else p.sliding_window,
             0.0 if p.soft_cap is None else p.soft_cap,
-            QUERY_TILE, torch.get_num_threads(), read_ahead, p.k_scale, p.v_scale)
+            QUERY_TILE, torch.get_num_threads(), read_ahead, p.k_scale, p.v_scale,
+            prefetch_lines)
         if not done:  # the kernel's content scan failed: raise the ABI's own message
             check_attention_contents(p)
             raise AssertionError("cpu kernel rejected contents that check_attention_contents "

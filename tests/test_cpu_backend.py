@@ -581,3 +581,98 @@ def test_bf16_output_rounding_keeps_subnormals_and_writes_nan_as_torch(decode):
     assert got[:, 5].view(torch.int16).tolist() == [0x7FC0] * heads[0]
     other = [c for c in range(head_size) if c not in (3, 5)]
     assert torch.allclose(got[:, other].double(), want[:, other].double(), rtol=1e-2, atol=1e-2)
+
+
+def item_read_lines(c: PagedCase, key_cache: torch.Tensor, value_cache: torch.Tensor, seq: int,
+                    heads: range, window: int) -> list[int]:
+    """The 64-byte lines a decode work item on the vdpbf16ps path reads, in the order it reads
+    them (docs/cpu.md): per chunk of 256 keys, the K rows unit by unit (16 keys; in a unit, KV
+    head by KV head, keys in order), then the V rows the same way; a line read again straight
+    after itself is listed once."""
+    seq_len = int(c.seq_lens[seq])
+    block_size = key_cache.shape[2]
+    lo = max(0, seq_len - window) if window else 0
+    lines: list[int] = []
+    for c0 in range(lo, seq_len, 256):
+        c1 = min(seq_len, c0 + 256)
+        for cache in (key_cache, value_cache):
+            for j0 in range(c0, c1, 16):
+                for h in heads:
+                    for pos in range(j0, min(c1, j0 + 16)):
+                        row = cache[int(c.block_tables[seq, pos // block_size]), h,
+                                    pos % block_size]
+                        start = row.data_ptr()
+                        end = start + row.numel() * row.element_size()
+                        for line in range(start // 64 * 64, end, 64):
+                            if not lines or lines[-1] != line:
+                                lines.append(line)
+    return lines
+
+
+def split_into_items(log: list[int], items: list[list[int]]) -> list[list[int]]:
+    """`log` cut into the sequences of `items` it is a concatenation of (in any order); fails
+    the test where it is not one."""
+    by_first = {lines[0]: lines for lines in items}
+    assert len(by_first) == len(items), "items must start on different lines"
+    found, i = [], 0
+    while i < len(log):
+        lines = by_first.pop(log[i], None)
+        assert lines is not None, f"line {i} of the log starts no remaining item"
+        assert log[i:i + len(lines)] == lines, "an item's lines differ from its reads"
+        found.append(lines)
+        i += len(lines)
+    assert not by_first, f"{len(by_first)} items were never prefetched"
+    return found
+
+
+@pytest.mark.parametrize("cache_dtype,seq_lens,window,nhd", [
+    (torch.bfloat16, [300, 37, 16, 529, 1], 0, False),  # all-KV-heads items, several chunks
+    (torch.bfloat16, [300, 37], 0, False),               # one KV head per item
+    (torch.bfloat16, [300, 37, 16, 529], 270, False),    # a window: reads start mid-block
+    (torch.bfloat16, [300, 37, 16, 529], 0, True),       # NHD: a head's rows are not contiguous
+    (torch.int8, [300, 37, 16, 529], 0, False),          # 32-byte rows: lines shared by rows
+])
+def test_paced_prefetch_requests_each_items_reads_in_read_order(cache_dtype, seq_lens, window,
+                                                                nhd):
+    """On the vdpbf16ps path every work item requests exactly the lines of the K and V rows it
+    reads, in the order it reads them (csrc/line_cursor.h), whatever the layout, window or
+    cache dtype; with `prefetch_lines` 0 it requests none."""
+    from cpu_impl import backend, build
+    if "-mavx512bf16" not in build.compile_flags():
+        pytest.skip("the paced prefetch runs on the AVX-512 BF16 build's vdpbf16ps path")
+    ext = build.load()
+    head_size = 32 if cache_dtype == torch.int8 else 64
+    c = build_case(seq_lens, None, (8, 2), head_size, 16, torch.bfloat16, nhd=nhd, seed=5)
+    if cache_dtype == torch.int8:
+        k_scale, v_scale = kv_scales_for(cache_dtype, 2)
+        kc, vc, _, _ = quantized_case(c, cache_dtype, k_scale, v_scale)
+    else:
+        kc, vc, k_scale, v_scale = c.key_cache, c.value_cache, None, None
+    heads_per_item = 2 if len(seq_lens) >= 4 else 1
+    items = [item_read_lines(c, kc, vc, s, range(h, h + heads_per_item), window)
+             for s in range(len(seq_lens)) for h in range(0, 2, heads_per_item)]
+    out = torch.empty_like(c.query)
+    for lines in (backend.PREFETCH_LINES, 0):
+        ext.prefetch_log(True)
+        assert ext.paged_attention(c.query, kc, vc, c.block_tables, c.seq_lens, None, out, None,
+                                   None, head_size ** -0.5, window, 0.0, 16, 1, False, k_scale,
+                                   v_scale, lines)
+        log = ext.prefetch_log(False)
+        if lines:
+            assert len(split_into_items(log, items)) == len(items)
+        else:
+            assert log == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paced_prefetch_does_not_change_the_result(dtype, monkeypatch: pytest.MonkeyPatch):
+    """Decode with the paced prefetch at several distances and without it: the same bits."""
+    from cpu_impl import backend
+    c = build_case([300, 17, 260, 1, 64], None, (9, 3), 64, 16, dtype, seed=13)
+    results = []
+    for lines in (backend.PREFETCH_LINES, 1, 0):
+        monkeypatch.setattr(backend, "prefetch_lines", lines)
+        results.append(run_cpu(c, return_lse=True))
+    for out, lse in results[1:]:
+        assert torch.equal(results[0][0], out)
+        assert torch.equal(results[0][1], lse)

@@ -27,6 +27,7 @@
 #include "problem.h"
 #include "simd.h"
 #include "amx.h"
+#include "line_cursor.h"
 
 namespace {
 
@@ -76,6 +77,7 @@ struct Scratch {
   std::vector<uint32_t, AlignedAlloc<uint32_t>> vt;  // a unit's V as B tiles (amx_row_values)
   std::vector<uint16_t> wpad;          // 16 rows x 16 keys of weights, zero-padded (the same)
   std::vector<float> apad;             // 16 accumulator rows, zero-padded (the same)
+  LineCursor cursor;                   // the item's K/V reads, for the paced prefetch
   Scratch(int rows, int d, int heads)
       : q(rows * d), acc(rows * d), scores(rows * KEY_CHUNK), m(rows), l(rows),
         kf(WIDENED_CHUNK * d), vf(WIDENED_CHUNK * d), qraw(rows * d), wb(rows * KEY_CHUNK),
@@ -114,7 +116,7 @@ class ItemKernel {
       : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
         g_(p.group()), rh_(static_cast<int>(it.rows) * g_), nh_(it.kv_heads), rows_(rh_ * nh_),
         pairs_(uses_pairs(p)), amx_(pairs_ && rh_ <= 16 && amx_active()),
-        amx_rows_(pairs_ && rh_ > 16 && amx_active()) {}
+        amx_rows_(pairs_ && rh_ > 16 && amx_active()), paced_(pairs_ && p.prefetch_lines > 0) {}
 
   // Whether Q.K and P.V run on vdpbf16ps (dot_scores, accumulate_pairs): a bf16 query and a bf16
   // or 8-bit cache (its rows staged as bf16 unit by unit, stage_bf16), d % 32 == 0, on the
@@ -150,13 +152,13 @@ class ItemKernel {
 #endif
     int64_t lo, hi;  // keys [lo, hi) visible to at least one row
     key_range(lo, hi);
-    // The first chunk's lines are requested up front. On the vdpbf16ps path (pairs_) later chunks
-    // come in address order (block-major units, see chunk()), which the hardware prefetcher
-    // follows: software prefetches of the next chunk, spread over this one's units, were slower
-    // there (cold 16 x 320 decode, 30 layers, 1 thread: 13.8 ms a step against 11.7 without).
-    // The other paths request the next chunk while computing this one (head-major order).
-    const int64_t keys = pairs_ ? KEY_CHUNK : WIDENED_CHUNK;
-    prefetch(lo, std::min<int64_t>(hi, lo + keys));
+    // On the vdpbf16ps path (pairs_) the paced prefetch requests the item's K/V as it reads
+    // (plan_reads). The other paths request the first chunk up front and each next chunk while
+    // computing the one before: the paced prefetch made their cold and hot calls slower
+    // (bench/results/2026-12-03-paced-prefetch).
+    const int64_t keys = chunk_keys();
+    if (paced_) plan_reads(lo, hi);
+    else if (!pairs_) prefetch(lo, std::min<int64_t>(hi, lo + keys));
     for (int64_t c = lo; c < hi; c += keys) {
       const int64_t c1 = std::min<int64_t>(hi, c + keys);
       if (!pairs_) prefetch(c1, std::min<int64_t>(hi, c1 + keys));
@@ -269,6 +271,47 @@ class ItemKernel {
         __builtin_prefetch(base + t * stride * static_cast<int64_t>(sizeof(C)) + x);
   }
 
+  // The paced prefetch (line_cursor.h): every K and V row the item reads, in chunk()'s order
+  // (per chunk its K units, then its V units), listed in the cursor, whose first
+  // Problem::prefetch_lines lines are requested now; chunk() requests the rest as it reads.
+  void plan_reads(int64_t lo, int64_t hi) {
+    LineCursor& cursor = sc_.cursor;
+    cursor.clear();
+    for (int64_t c0 = lo; c0 < hi; c0 += chunk_keys()) {
+      const int n = static_cast<int>(std::min<int64_t>(hi - c0, chunk_keys())), step = unit_keys(n);
+      for (const bool values : {false, true})
+        for (int j0 = 0; j0 < n; j0 += step)
+          for (int hh = 0; hh < nh_; ++hh)
+            for_block_runs(c0 + j0, c0 + std::min(n, j0 + step),
+                           [&](int, int run, const C* k, const C* v) {
+                             if (values) list_rows(v + hh * p_.v_s1, run, p_.v_s2);
+                             else list_rows(k + hh * p_.k_s1, run, p_.k_s2);
+                           });
+    }
+    cursor.advance(p_.prefetch_lines);
+  }
+
+  // `run` rows `stride` elements apart into the cursor (one range when they are contiguous).
+  void list_rows(const C* rows, int run, int64_t stride) {
+    const int64_t row_bytes = d_ * static_cast<int64_t>(sizeof(C));
+    if (stride == d_) {
+      sc_.cursor.add(rows, run * row_bytes);
+      return;
+    }
+    for (int t = 0; t < run; ++t) sc_.cursor.add(rows + t * stride, row_bytes);
+  }
+
+  // read(): chunk()'s read of `keys` K or V rows of one KV head, between two halves of the
+  // cursor's advance by the lines those rows hold.
+  template <typename F>
+  void paced(int keys, F&& read) {
+    const int64_t half =
+        paced_ ? std::max<int64_t>(1, keys * d_ * static_cast<int64_t>(sizeof(C)) / 128) : 0;
+    if (half > 0) sc_.cursor.advance(half);
+    read();
+    if (half > 0) sc_.cursor.advance(half);
+  }
+
   // All KV heads of the item go through each chunk together, in units of UNIT_KEYS keys (a
   // block at block size 16) x one KV head, block-major where unit_keys allows: the K (then V)
   // rows of a block's heads, one contiguous [num_kv_heads, block_size, head_size] run, are then
@@ -277,14 +320,21 @@ class ItemKernel {
     const int n = static_cast<int>(c1 - c0), step = unit_keys(n);
     locate(c0, n);
     for (int j0 = 0; j0 < n; j0 += step)
-      for (int hh = 0; hh < nh_; ++hh)
-        head_scores(hh, j0, std::min(n, j0 + step), &sc_.kp[hh * KEY_CHUNK]);
+      for (int hh = 0; hh < nh_; ++hh) {
+        const int j1 = std::min(n, j0 + step);
+        paced(j1 - j0, [&] { head_scores(hh, j0, j1, &sc_.kp[hh * KEY_CHUNK]); });
+      }
     for (int r = 0; r < rows_; ++r) finish_scores(r, c0, n);
     softmax_step(n);
     for (int j0 = 0; j0 < n; j0 += step)
-      for (int hh = 0; hh < nh_; ++hh)
-        accumulate_values(hh, j0, std::min(n, j0 + step), &sc_.vp[hh * KEY_CHUNK]);
+      for (int hh = 0; hh < nh_; ++hh) {
+        const int j1 = std::min(n, j0 + step);
+        paced(j1 - j0, [&] { accumulate_values(hh, j0, j1, &sc_.vp[hh * KEY_CHUNK]); });
+      }
   }
+
+  // Keys per chunk: KEY_CHUNK on the vdpbf16ps paths, WIDENED_CHUNK on the others.
+  int64_t chunk_keys() const { return pairs_ ? KEY_CHUNK : WIDENED_CHUNK; }
 
   // Keys per unit of chunk(): UNIT_KEYS on the bf16 vdpbf16ps paths (scores and P.V both take a
   // key range), the whole chunk otherwise.
@@ -936,6 +986,7 @@ class ItemKernel {
   const bool amx_;    // Q.K^T of whole 16-key units on AMX tiles (amx_scores)
   const bool amx_rows_;  // more than 16 rows per KV head: Q.K^T and P.V on AMX, 16 rows per tile
                          // (amx_row_scores, amx_row_values; acc in column order)
+  const bool paced_;     // the paced prefetch (plan_reads) requests the K/V
 };
 
 template <typename T, typename C>

@@ -1,7 +1,8 @@
 // Paged attention on the CPU (docs/abi.md): the entry points and their Python bindings, one
 // translation unit compiled at first use (cpu_impl/build.py) with the headers next to it:
 // simd.h (the vector building blocks), problem.h (the call's problem, its content check and its
-// work items), kernel.h (one work item's attention), read_ahead.h (a decode call's K/V read-ahead).
+// work items), kernel.h (one work item's attention), line_cursor.h (its paced K/V prefetch),
+// read_ahead.h (a decode call's K/V read-ahead).
 //
 // Work split: one work item = (sequence s, KV head h or all of them, tile of up to `tile` query
 // rows of s). Items run in parallel with OpenMP (dynamic schedule: causal prefill tiles differ in
@@ -19,8 +20,10 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "kernel.h"
+#include "line_cursor.h"
 #include "problem.h"
 #include "read_ahead.h"
 
@@ -64,7 +67,8 @@ void run_for_cache(const Problem& p, const at::Tensor& query, const at::Tensor& 
 
 // Entry point (called by cpu_impl/backend.py with a checked AttentionProblem's fields; sliding_window
 // <= 0 and soft_cap <= 0 mean none; read_ahead_kv: a decode call first runs read_ahead.h; k_scale
-// and v_scale: float32 [num_kv_heads] with an 8-bit cache, None otherwise).
+// and v_scale: float32 [num_kv_heads] with an 8-bit cache, None otherwise; prefetch_lines: how
+// many 64-byte lines ahead of its reads each work item requests its K/V, 0 for none).
 // Returns false, having written nothing, when the contents break the ABI's rules.
 bool paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -73,7 +77,7 @@ bool paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const c10::optional<at::Tensor>& alibi_slopes, double scale,
                      int64_t sliding_window, double soft_cap, int64_t tile, int64_t threads,
                      bool read_ahead_kv, const c10::optional<at::Tensor>& k_scale,
-                     const c10::optional<at::Tensor>& v_scale) {
+                     const c10::optional<at::Tensor>& v_scale, int64_t prefetch_lines) {
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(),
               "value_cache: expected key_cache's dtype ", key_cache.scalar_type(), ", got ",
               value_cache.scalar_type());
@@ -111,6 +115,7 @@ bool paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   p.scale = static_cast<float>(scale);
   p.soft_cap = static_cast<float>(soft_cap);
   p.window = sliding_window;
+  p.prefetch_lines = std::max<int64_t>(0, prefetch_lines);
   p.k_scale = kv_scales(k_scale, key_cache, "k_scale");
   p.v_scale = kv_scales(v_scale, value_cache, "v_scale");
   if (!contents_valid(p)) return false;
@@ -262,11 +267,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released: the kernels touch no Python object, and a server's other threads (HTTP,
   // tokenizer) keep running during a layer's attention.
   m.def("paged_attention", &paged_attention, "paged attention (see cpu_impl/backend.py)",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("out"), py::arg("lse"),
+        py::arg("alibi_slopes"), py::arg("scale"), py::arg("sliding_window"),
+        py::arg("soft_cap"), py::arg("tile"), py::arg("threads"), py::arg("read_ahead_kv"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("prefetch_lines") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, "scatter K/V rows into the caches (see cpu_impl/backend.py)",
         py::call_guard<py::gil_scoped_release>());
   m.def("read_ahead", &read_ahead_sum, "a decode call's K/V read-ahead alone (read_ahead.h)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("prefetch_log", [](bool on) {
+          std::vector<int64_t> lines(prefetch_log.begin(), prefetch_log.end());
+          prefetch_log.clear();
+          prefetch_log_on = on;
+          return lines;
+        },
+        "the addresses of the lines the paced prefetch requested since the last call (one thread "
+        "at a time), and whether to record them from now on (tests)");
   m.def("use_amx", [](bool on) { amx_enabled = on; return amx_active(); },
         "switches Q.K^T on AMX tiles on or off for the process; returns whether it now runs");
 }

@@ -22,6 +22,7 @@ struct Problem {
   const float* v_scale;                     // as k_scale
   float scale, soft_cap;                    // soft_cap <= 0: none
   int64_t window;                           // <= 0: none
+  int64_t prefetch_lines = 0;               // the paced prefetch's distance (kernel.h); 0: off
   int group() const { return static_cast<int>(num_heads / num_kv_heads); }
 };
 
