@@ -6,8 +6,10 @@
 // 256 or 64 positions (no dense copy); each chunk does scores -> soft cap -> ALiBi -> mask, then
 // one online-softmax step (running max m, running sum l, accumulator acc rescaled by
 // exp(m_old - m_new)), all in float32. Keys at positions >= seq_len and block-table entries past
-// ceil(seq_len / block_size) are never touched. Each OpenMP thread keeps its Scratch from call to
-// call (thread_scratch), so a call allocates nothing.
+// ceil(seq_len / block_size) are never touched; their lines are requested ahead of the reads (the
+// paced prefetch on the vdpbf16ps path, line_cursor.h; the next chunk's on the others). Each
+// OpenMP thread keeps its Scratch from call to call (thread_scratch), so a call allocates nothing
+// once its buffers have grown to the call's size.
 #pragma once
 
 #include <torch/extension.h>
