@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -31,3 +31,16 @@ def median_seconds(fn: Callable[[], object], device: str, *, warmup: int = 2,
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def seconds_in_turns(fns: Sequence[Callable[[], object]], rounds: int) -> list[list[float]]:
+    """Wall seconds of each of `fns` in every one of `rounds` rounds, the functions called in
+    turns within a round (so that a drift in the machine's speed falls on all of them alike): the
+    in-process A/B method of the scripts under bench/results. No warm-up call."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, taken in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            taken.append(time.perf_counter() - t0)
+    return times

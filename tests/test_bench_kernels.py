@@ -1,7 +1,7 @@
-"""The benchmark code (bench/kernels.py, bench/ceilings.py, bench/kv_quant_speed.py) at tiny
-sizes on the CPU, so that it is never found broken on the day a GPU is lent: what it counts
-(bytes, flops) against direct counts, its check against SDPA, errors recorded without ending a
-sweep, and its outputs."""
+"""The benchmark code (bench/kernels.py, bench/ceilings.py, bench/kv_quant_speed.py,
+bench/timing.py) at tiny sizes on the CPU, so that it is never found broken on the day a GPU is
+lent: what it counts (bytes, flops) against direct counts, its check against SDPA, errors
+recorded without ending a sweep, and its outputs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` lives at the repo root
 
 from bench import ceilings, kernels  # noqa: E402
+from bench.timing import seconds_in_turns  # noqa: E402
 
 TINY = dict(num_heads=4, num_kv_heads=2, head_size=16, block_size=4)
 
@@ -24,6 +25,15 @@ def test_ceilings_are_positive_rates() -> None:
     mm = ceilings.matmul_rate("cpu", torch.float32, n=64, repeat=2)
     assert copy["copy_bytes"] == 2 << 20 and copy["copy_GBps"] > 0
     assert mm["matmul_n"] == 64 and mm["matmul_TFLOPs"] > 0
+
+
+def test_seconds_in_turns_calls_each_function_once_per_round_in_turns() -> None:
+    calls: list[int] = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    times = seconds_in_turns(fns, rounds=4)
+    assert calls == [0, 1, 2] * 4
+    assert [len(t) for t in times] == [4, 4, 4]
+    assert all(x >= 0 for t in times for x in t)
 
 
 @pytest.mark.parametrize("kind,batch,context,q_len", [

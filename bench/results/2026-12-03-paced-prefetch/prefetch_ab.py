@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 
 import cpu_impl.backend as cpu_backend
 from bench.build_ab import HEAD_SIZE, HEADS, KV_HEADS, LAYERS, engine_attention_case
 from bench.build_ab import load_extension
+from bench.timing import seconds_in_turns
 
 SEQS = 16
 
@@ -48,18 +48,17 @@ def main() -> None:
         else:
             ext.paged_attention(*args, lines)
 
+    def layers(i: int, mode: str) -> None:
+        for layer in range(LAYERS):
+            call(i, layer if mode == "cold" else 0)
+
     for mode in ("cold", "hot"):
-        times: list[list[float]] = [[] for _ in variants]
         for i in range(len(variants)):
             call(i, 0)
-        for _ in range(rounds):
-            for i in range(len(variants)):
-                t0 = time.perf_counter()
-                for layer in range(LAYERS):
-                    call(i, layer if mode == "cold" else 0)
-                times[i].append((time.perf_counter() - t0) / LAYERS)
+        times = seconds_in_turns([lambda i=i, m=mode: layers(i, m) for i in range(len(variants))],
+                                 rounds)
         equal = all(torch.equal(outs[0], o) for o in outs[1:])
-        cells = " ".join(f"{statistics.median(t) * 1e6:8.1f}" for t in times)
+        cells = " ".join(f"{statistics.median(t) / LAYERS * 1e6:8.1f}" for t in times)
         print(f"threads {threads} context {context} {sys.argv[4]} {mode}: {cells} us/call"
               f" ({'equal' if equal else 'DIFFERENT'} outputs)", flush=True)
 
