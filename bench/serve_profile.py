@@ -99,10 +99,12 @@ def prefill(engine: LLMEngine) -> int:
 
 
 def decoding_engine(loaded: Any, batch: int, prompt_len: int = 256, max_tokens: int = 900,
-                    max_model_len: int = 1024) -> LLMEngine:
-    """An engine on `loaded` whose `batch` requests (`add_prompts`) are prefilled and decoding:
-    what the decode-step experiments under bench/results start from."""
-    engine = LLMEngine(loaded, config=EngineConfig(max_model_len=max_model_len))
+                    max_model_len: int = 1024, kv_cache_dtype: str = "auto") -> LLMEngine:
+    """An engine on `loaded` (KV cache of `kv_cache_dtype`) whose `batch` requests
+    (`add_prompts`) are prefilled and decoding: what the decode-step experiments under
+    bench/results start from."""
+    engine = LLMEngine(loaded, config=EngineConfig(max_model_len=max_model_len,
+                                                   kv_cache_dtype=kv_cache_dtype))
     add_prompts(engine, batch, prompt_len, max_tokens)
     prefill(engine)
     return engine

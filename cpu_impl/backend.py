@@ -51,9 +51,10 @@ QUERY_TILE = 16
 #: faster with the read-ahead on 2-core Zen 3 and Zen 4 machines with 32 MiB of L3, slower on a
 #: 2-core Xeon with 105 MiB (docs/cpu.md).
 READ_AHEAD_MAX_LLC = 64 << 20
-#: The paced prefetch's default distance in 64-byte lines (8 KiB): 64 and 128 were the fastest of
-#: 64-512 on cold decode (bench/results/2026-12-03-paced-prefetch).
-PREFETCH_LINES = 128
+#: The paced prefetch's default distance in 64-byte lines (4 KiB): 64 and 128 were the fastest of
+#: 64-512 on cold decode calls, and 64 gave the shorter decode step in the engine
+#: (bench/results/2026-12-03-paced-prefetch).
+PREFETCH_LINES = 64
 #: sysfs cache size suffixes.
 _SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

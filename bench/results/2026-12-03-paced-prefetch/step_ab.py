@@ -1,4 +1,5 @@
-"""Decode steps of one engine (default model, gguf, bfloat16, batch BATCH) with the cpu
+"""Decode steps of one engine (default model, gguf, bfloat16, batch BATCH; the KV cache's dtype
+from the environment variable KV_CACHE_DTYPE, default "auto") with the cpu
 backend's paced prefetch at each distance of LINES in turns (`cpu_impl.backend.prefetch_lines`,
 read at every call), 10 steps at a time, in one process:
 
@@ -9,6 +10,7 @@ step spent in the backend's `paged_attention` calls (30 layers)."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -38,7 +40,8 @@ def main() -> None:
     torch.set_num_threads(2)
     cpu_backend.CpuBackend.paged_attention = timed_attention(cpu_backend.CpuBackend.paged_attention)
     loaded = load_model(None, dtype=torch.bfloat16, quantization="gguf")
-    engine = decoding_engine(loaded, batch, max_tokens=900)
+    engine = decoding_engine(loaded, batch, max_tokens=900,
+                             kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"))
     times: list[list[float]] = [[] for _ in distances]
     attention: list[list[float]] = [[] for _ in distances]
     for _ in range(rounds):
