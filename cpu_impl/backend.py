@@ -15,9 +15,10 @@ the kernel's scattered loads (docs/cpu.md). With a larger last-level cache a dec
 stays cached from step to step and the sweep only costs time. `read_ahead` (this module's) is
 the switch.
 
-Every work item requests its K/V lines `prefetch_lines` 64-byte lines ahead of its reads, a few
-at a time as it reads (csrc/line_cursor.h): the loads of later blocks then overlap the
-arithmetic. `prefetch_lines` (this module's, read at every call; 0 turns it off) is the distance.
+On the AVX-512 BF16 build, a work item with a bf16 query over a bf16 or 8-bit cache requests its
+K/V lines `prefetch_lines` 64-byte lines ahead of its reads, a few at a time as it reads
+(csrc/line_cursor.h): the loads of later blocks then overlap the arithmetic. `prefetch_lines`
+(this module's, read at every call; 0 turns it off) is the distance.
 """
 
 from __future__ import annotations

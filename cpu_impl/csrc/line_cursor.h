@@ -9,14 +9,17 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <utility>
 #include <vector>
 
 namespace {
 
-// Lines requested by every LineCursor while prefetch_log_on is set (tests run one thread).
+// Lines requested by every LineCursor while prefetch_log_on is set (tests; with several threads
+// their lines interleave).
 bool prefetch_log_on = false;
 std::vector<uintptr_t> prefetch_log;
+std::mutex prefetch_log_mutex;
 
 class LineCursor {
  public:
@@ -49,7 +52,10 @@ class LineCursor {
       if (line_ < first) line_ = first;
       for (; n > 0 && line_ < end; --n, line_ += LINE) {
         __builtin_prefetch(reinterpret_cast<const void*>(line_));
-        if (prefetch_log_on) prefetch_log.push_back(line_);
+        if (prefetch_log_on) {
+          std::lock_guard<std::mutex> lock(prefetch_log_mutex);
+          prefetch_log.push_back(line_);
+        }
       }
       if (line_ >= end) {
         ++next_;

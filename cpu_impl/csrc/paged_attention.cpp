@@ -278,13 +278,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_ahead", &read_ahead_sum, "a decode call's K/V read-ahead alone (read_ahead.h)",
         py::call_guard<py::gil_scoped_release>());
   m.def("prefetch_log", [](bool on) {
+          std::lock_guard<std::mutex> lock(prefetch_log_mutex);
           std::vector<int64_t> lines(prefetch_log.begin(), prefetch_log.end());
           prefetch_log.clear();
           prefetch_log_on = on;
           return lines;
         },
-        "the addresses of the lines the paced prefetch requested since the last call (one thread "
-        "at a time), and whether to record them from now on (tests)");
+        "the addresses of the lines the paced prefetch requested since the last call, and whether "
+        "to record them from now on (tests)");
   m.def("use_amx", [](bool on) { amx_enabled = on; return amx_active(); },
         "switches Q.K^T on AMX tiles on or off for the process; returns whether it now runs");
 }
