@@ -18,7 +18,8 @@ the switch.
 On the AVX-512 BF16 build, a work item with a bf16 query over a bf16 or 8-bit cache requests its
 K/V lines `prefetch_lines` 64-byte lines ahead of its reads, a few at a time as it reads
 (csrc/line_cursor.h): the loads of later blocks then overlap the arithmetic. `prefetch_lines`
-(this module's, read at every call; 0 turns it off) is the distance.
+(this module's, read at every call; 0 turns it off) is the distance. Such a call does not read
+ahead: the paced requests overlap the loads with the arithmetic, the sweep runs them first.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ QUERY_TILE = 16
 #: faster with the read-ahead on 2-core Zen 3 and Zen 4 machines with 32 MiB of L3, slower on a
 #: 2-core Xeon with 105 MiB (docs/cpu.md).
 READ_AHEAD_MAX_LLC = 64 << 20
-#: The paced prefetch's default distance in 64-byte lines (4 KiB): 64 and 128 were the fastest of
-#: 64-512 on cold decode calls, and 64 gave the shorter decode step in the engine
-#: (bench/results/2026-12-03-paced-prefetch).
-PREFETCH_LINES = 64
+#: The paced prefetch's default distance in 64-byte lines (8 KiB). With its requests into L2
+#: (prefetcht1), 96-384 lines were equally fast on cold decode calls on a Zen 4, and 128 halved
+#: the batch-16 decode step's attention against 64 lines into L1 with the read-ahead
+#: (bench/results/2026-12-04-prefetch-locality).
+PREFETCH_LINES = 128
 #: sysfs cache size suffixes.
 _SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -29,6 +29,7 @@
 #include "problem.h"
 #include "simd.h"
 #include "amx.h"
+#include "read_ahead.h"
 #include "line_cursor.h"
 
 namespace {
@@ -991,9 +992,18 @@ class ItemKernel {
   const bool paced_;     // the paced prefetch (plan_reads) requests the K/V
 };
 
+// The call's work items on `threads` threads. A decode call with `read_ahead_kv` first sweeps its
+// K/V into the caches (read_ahead.h), unless its items request their own lines (the paced
+// prefetch), which overlaps the loads with the arithmetic instead of running them first.
 template <typename T, typename C>
 void run_items(const Problem& p, const at::Tensor& query, const at::Tensor& key_cache,
-               const at::Tensor& value_cache, at::Tensor& out, int64_t tile, int64_t threads) {
+               const at::Tensor& value_cache, at::Tensor& out, int64_t tile, int64_t threads,
+               bool read_ahead_kv) {
+  const bool paced = ItemKernel<T, C>::uses_pairs(p) && p.prefetch_lines > 0;
+  if (p.cu_seqlens_q == nullptr && read_ahead_kv && !paced) {
+    volatile int64_t read = read_ahead(p, key_cache, value_cache, threads);  // keeps the loads
+    (void)read;
+  }
   std::vector<Item> items = plan(p, tile);
   const T* q = query.data_ptr<T>();
   const C* k = static_cast<const C*>(key_cache.data_ptr());

@@ -13,6 +13,12 @@
 #include <utility>
 #include <vector>
 
+// The temporal locality of the requests (__builtin_prefetch's third argument): 2 is prefetcht1,
+// into L2 and the caches below it; 3 (prefetcht0) also fills L1.
+#ifndef PK_PREFETCH_LOCALITY
+#define PK_PREFETCH_LOCALITY 2
+#endif
+
 namespace {
 
 // Lines requested by every LineCursor while prefetch_log_on is set (tests; with several threads
@@ -51,7 +57,7 @@ class LineCursor {
       const auto [first, end] = ranges_[next_];
       if (line_ < first) line_ = first;
       for (; n > 0 && line_ < end; --n, line_ += LINE) {
-        __builtin_prefetch(reinterpret_cast<const void*>(line_));
+        __builtin_prefetch(reinterpret_cast<const void*>(line_), 0, PK_PREFETCH_LOCALITY);
         if (prefetch_log_on) {
           std::lock_guard<std::mutex> lock(prefetch_log_mutex);
           prefetch_log.push_back(line_);

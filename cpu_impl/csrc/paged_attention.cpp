@@ -47,19 +47,23 @@ const float* kv_scales(const c10::optional<at::Tensor>& scale, const at::Tensor&
 // The attention with query type T over caches of the cache's dtype (T itself or an 8-bit type).
 template <typename T>
 void run_for_cache(const Problem& p, const at::Tensor& query, const at::Tensor& key_cache,
-                   const at::Tensor& value_cache, at::Tensor& out, int64_t tile, int64_t threads) {
+                   const at::Tensor& value_cache, at::Tensor& out, int64_t tile, int64_t threads,
+                   bool read_ahead_kv) {
   switch (key_cache.scalar_type()) {
     case at::kFloat8_e4m3fn:
-      return run_items<T, at::Float8_e4m3fn>(p, query, key_cache, value_cache, out, tile, threads);
+      return run_items<T, at::Float8_e4m3fn>(p, query, key_cache, value_cache, out, tile, threads,
+                                             read_ahead_kv);
     case at::kFloat8_e5m2:
-      return run_items<T, at::Float8_e5m2>(p, query, key_cache, value_cache, out, tile, threads);
+      return run_items<T, at::Float8_e5m2>(p, query, key_cache, value_cache, out, tile, threads,
+                                           read_ahead_kv);
     case at::kChar:
-      return run_items<T, int8_t>(p, query, key_cache, value_cache, out, tile, threads);
+      return run_items<T, int8_t>(p, query, key_cache, value_cache, out, tile, threads,
+                                  read_ahead_kv);
     default:
       TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(),
                   "key_cache: expected the query's dtype or an 8-bit type, got ",
                   key_cache.scalar_type());
-      return run_items<T, T>(p, query, key_cache, value_cache, out, tile, threads);
+      return run_items<T, T>(p, query, key_cache, value_cache, out, tile, threads, read_ahead_kv);
   }
 }
 
@@ -119,18 +123,14 @@ bool paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   p.k_scale = kv_scales(k_scale, key_cache, "k_scale");
   p.v_scale = kv_scales(v_scale, value_cache, "v_scale");
   if (!contents_valid(p)) return false;
-  if (p.cu_seqlens_q == nullptr && read_ahead_kv) {
-    volatile int64_t read = read_ahead(p, key_cache, value_cache, threads);  // keeps the loads
-    (void)read;
-  }
   if (p.cu_seqlens_q == nullptr) tile = 1;
   tile = std::max<int64_t>(1, tile);
   if (query.scalar_type() == at::kFloat)
-    run_for_cache<float>(p, query, key_cache, value_cache, out, tile, threads);
+    run_for_cache<float>(p, query, key_cache, value_cache, out, tile, threads, read_ahead_kv);
   else if (query.scalar_type() == at::kHalf)
-    run_for_cache<at::Half>(p, query, key_cache, value_cache, out, tile, threads);
+    run_for_cache<at::Half>(p, query, key_cache, value_cache, out, tile, threads, read_ahead_kv);
   else if (query.scalar_type() == at::kBFloat16)
-    run_for_cache<at::BFloat16>(p, query, key_cache, value_cache, out, tile, threads);
+    run_for_cache<at::BFloat16>(p, query, key_cache, value_cache, out, tile, threads, read_ahead_kv);
   else
     TORCH_CHECK(false, "query: expected float32, float16 or bfloat16, got ", query.scalar_type());
   return true;
