@@ -64,6 +64,10 @@ class EngineConfig:
       `tensor_parallel_size > 1` (the driver's process included).
     - `speculative_config`: vLLM's dict (or a `SpeculativeConfig`) turning on speculative
       decoding (docs/spec-decode.md); parsed into a `SpeculativeConfig` here. None: off.
+    - `prefault_kv_cache`: make every page of a CPU KV pool resident when the engine is built
+      (`paged_kernels.prefault`), so that no step pays a page's first-touch fault; the server's
+      default. False (the library's default): pages become resident as blocks are first
+      written.
     """
 
     block_size: int = 16
@@ -83,6 +87,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tensor_parallel_threads: int = 1
     speculative_config: Union[None, dict[str, Any], SpeculativeConfig] = None
+    prefault_kv_cache: bool = False
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)
@@ -100,6 +105,9 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode: expected one of {PREEMPTION_MODES}, got "
                              f"{self.preemption_mode!r}")
+        if not isinstance(self.prefault_kv_cache, bool):
+            raise ValueError("prefault_kv_cache: expected a bool, got "
+                             f"{self.prefault_kv_cache!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError("enable_prefix_caching: expected a bool, got "
                              f"{self.enable_prefix_caching!r}")

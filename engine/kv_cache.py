@@ -18,7 +18,7 @@ import torch
 from engine.block_pool import BlockCopy
 from engine.kv_scales import LayerKVScales, is_quantized, make_kv_scales
 from paged_kernels.attention import copy_blocks, swap_blocks
-from paged_kernels.cache_memory import empty_cache, zeros_cache
+from paged_kernels.cache_memory import empty_cache, prefault as prefault_memory, zeros_cache
 
 #: Budget used when neither a block count nor a byte budget is given.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -67,10 +67,11 @@ class KVCache:
 
     `fill` (tests) writes that value (e.g. NaN) into every slot so that reading a slot never
     written shows up in the results (an int8 cache has no NaN: give a value in [-128, 127]).
-    By default a CPU pool is zeroed once here, which the ABI does not need (unwritten slots are
-    never read) but which takes every page's first-touch fault at start-up instead of in the
-    steps that first write a block (a first write_kv into fresh pages cost ~4 ms a layer for
-    1365 tokens against ~0.3-1 ms into touched ones); other devices' pools are left
+    Without it a CPU pool is `paged_kernels.zeros_cache` memory: zero, in huge pages, and
+    resident only as blocks are first written, each page's first write paying its first-touch
+    fault in a step. `prefault` makes every page of the CPU pools resident here instead
+    (`paged_kernels.prefault`: a first write_kv into fresh pages is several times slower than
+    into resident ones, bench/results/2026-12-04-kv-prefault); other devices' pools are left
     uninitialised. `dtype` is the caches' storage type; `scales` (`scales[i]` for layer `i`,
     engine/kv_scales.py) is required with an 8-bit `dtype` and None otherwise.
     """
@@ -79,7 +80,7 @@ class KVCache:
                  block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  num_host_blocks: int = 0, backend: str = "auto",
                  fill: Optional[float] = None,
-                 scales: Optional[list[LayerKVScales]] = None) -> None:
+                 scales: Optional[list[LayerKVScales]] = None, prefault: bool = False) -> None:
         _check_scales(scales, dtype, num_layers)
         _check_fill(fill, dtype)
         self.dtype = dtype
@@ -92,6 +93,10 @@ class KVCache:
                                             head_dim, dtype, torch.device(device), fill)
         self.host_caches = self._allocate(num_layers, num_host_blocks, num_kv_heads, block_size,
                                           head_dim, dtype, torch.device("cpu"), fill)
+        if prefault:
+            for caches in (self.device_caches, self.host_caches):
+                if caches:
+                    prefault_memory(caches[0][0])  # the one allocation under every view
 
     @staticmethod
     def _allocate(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
@@ -153,7 +158,8 @@ class KVCache:
 class KVCacheSpec:
     """What every rank's cache shares, decided once on the driver: the same block ids (so the
     same `num_blocks` and `block_size`), the host pool, the storage `dtype`, the block-move
-    `backend`, the test `fill` and whether 8-bit scales are calibrated."""
+    `backend`, the test `fill`, whether 8-bit scales are calibrated and whether the CPU pools
+    are made resident at allocation (`KVCache`'s `prefault`)."""
 
     num_blocks: int
     block_size: int
@@ -162,6 +168,7 @@ class KVCacheSpec:
     backend: str = "auto"
     fill: Optional[float] = None
     calculate_kv_scales: bool = True
+    prefault: bool = False
 
 
 def kv_cache_for(model: Any, spec: KVCacheSpec, device: torch.device | str) -> KVCache:
@@ -173,4 +180,4 @@ def kv_cache_for(model: Any, spec: KVCacheSpec, device: torch.device | str) -> K
                             model.kv_scales_from_file, spec.calculate_kv_scales)
     return KVCache(config.num_hidden_layers, heads, config.head_dim, spec.num_blocks,
                    spec.block_size, spec.dtype, device, spec.num_host_blocks, spec.backend,
-                   spec.fill, scales)
+                   spec.fill, scales, spec.prefault)

@@ -42,6 +42,7 @@ class LLM:
     `tensor_parallel_threads` torch threads each on a CPU (docs/distributed.md); under
     `torchrun`, the call returns only on rank 0: the other ranks serve its steps and exit when
     it shuts down. Call `shutdown()` (or let the interpreter exit) to end the worker processes.
+    `prefault_kv_cache` makes the CPU KV pool resident when the engine is built.
     """
 
     def __init__(self, model: Union[str, None, LoadedModel] = None,
@@ -56,7 +57,8 @@ class LLM:
                  quantization: Optional[str] = "auto", kv_allocation: str = "paged",
                  kv_cache_dtype: str = "auto", calculate_kv_scales: bool = True,
                  speculative_config: Optional[dict[str, Any]] = None,
-                 tensor_parallel_size: int = 1, tensor_parallel_threads: int = 1) -> None:
+                 tensor_parallel_size: int = 1, tensor_parallel_threads: int = 1,
+                 prefault_kv_cache: bool = False) -> None:
         config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               num_host_blocks=num_host_blocks, max_num_seqs=max_num_seqs,
@@ -68,7 +70,8 @@ class LLM:
                               calculate_kv_scales=calculate_kv_scales,
                               speculative_config=speculative_config,
                               tensor_parallel_size=tensor_parallel_size,
-                              tensor_parallel_threads=tensor_parallel_threads)
+                              tensor_parallel_threads=tensor_parallel_threads,
+                              prefault_kv_cache=prefault_kv_cache)
         self.llm_engine = LLMEngine(model, resolve_dtype(dtype, device), config, device,
                                     kv_fill)
         self._counter = 0

@@ -92,7 +92,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, num_host,
                                                config.enable_prefix_caching, config.kv_allocation)
         cache_spec = KVCacheSpec(num_blocks, config.block_size, num_host, self.kv_cache_dtype,
-                                 config.backend, kv_fill, config.calculate_kv_scales)
+                                 config.backend, kv_fill, config.calculate_kv_scales,
+                                 config.prefault_kv_cache)
         self.kv_cache = kv_cache_for(self.loaded.model, cache_spec, self.device)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         self.runner: Union[ModelRunner, TensorParallelExecutor]

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV blocks in the pool")
     kv.add_argument("--kv-cache-memory", type=parse_size, default=None,
                     help="KV pool budget, e.g. 512MiB (default 1GiB)")
+    p.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="make the KV pool's pages resident at start-up, so that no request "
+                        "pays their first-touch faults (off: as blocks are first written)")
     p.add_argument("--max-num-seqs", type=_positive, default=256,
                    help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=_positive, default=2048,
@@ -173,7 +176,8 @@ def engine_builder(args: argparse.Namespace,
             calculate_kv_scales=args.calculate_kv_scales,
             tensor_parallel_size=args.tensor_parallel_size,
             tensor_parallel_threads=args.num_threads or 1,
-            speculative_config=args.speculative_config)
+            speculative_config=args.speculative_config,
+            prefault_kv_cache=args.prefault_kv_cache)
         dtype = resolve_dtype(args.dtype, options.device)
         engine = LLMEngine(args.model, dtype=dtype, config=config, device=options.device)
         if options.chat_template is not None:

@@ -24,7 +24,7 @@ from paged_kernels.backends import (
     resolve_backend,
     unavailable_backends,
 )
-from paged_kernels.cache_memory import empty_cache, zeros_cache
+from paged_kernels.cache_memory import empty_cache, prefault, zeros_cache
 
 # registers torch.ops.paged_kernels.{paged_attention, write_kv} (torch.compile, CUDA graphs)
 from paged_kernels import custom_ops  # noqa: E402,F401  isort: skip
@@ -34,6 +34,6 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionPlan", "AttentionProblem", "Backend", "BackendUnavailable", "Support",
     "available_backends", "copy_blocks", "empty_cache", "get_backend", "merge_attn_states",
-    "paged_attention", "plan", "registered_backends", "resolve_backend", "swap_blocks",
+    "paged_attention", "plan", "prefault", "registered_backends", "resolve_backend", "swap_blocks",
     "unavailable_backends", "write_kv", "zeros_cache",
 ]

@@ -1,5 +1,5 @@
 """Memory for KV caches: `empty_cache` (uninitialised) and `zeros_cache`, cache tensors that, on a
-Linux CPU, live in transparent huge pages.
+Linux CPU, live in transparent huge pages; `prefault`, which makes a CPU tensor's pages resident.
 
 A decode call reads each sequence's K/V one block and one KV head at a time: runs of
 `block_size * head_size` elements (2 KiB at 16 x 64 in bfloat16, 1 KiB in 8 bits) scattered over
@@ -12,11 +12,16 @@ Measured on the cpu backend: docs/cpu.md.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 from typing import Optional, Sequence, Union
 
 import torch
+
+#: Linux's `madvise` advice that faults a range in writable without writing it (5.14 and later).
+MADV_POPULATE_WRITE = 23
 
 
 def empty_cache(shape: Sequence[int], dtype: torch.dtype,
@@ -51,3 +56,39 @@ def _huge_page_tensor(shape: Sequence[int], dtype: torch.dtype,
     except OSError:  # THP disabled in this kernel: plain pages, same memory
         pass
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def prefault(t: torch.Tensor) -> None:
+    """Makes every page of the CPU tensor `t`'s storage resident and writable now, leaving its
+    contents as they are, so that no later write pays a page's first-touch fault (on a virtual
+    machine that is also the host's, ~2 ms a MiB on the 2-vCPU development machines; a first
+    `write_kv` into fresh pages is several times slower than into resident ones,
+    bench/results/2026-12-04-kv-prefault). Linux 5.14 and later: `madvise(MADV_POPULATE_WRITE)`,
+    which writes nothing; elsewhere one byte of every page is read and written back. Nothing on
+    other devices. Call it while no other thread writes the memory."""
+    if t.device.type != "cpu":
+        return
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return
+    page = mmap.PAGESIZE
+    start = storage.data_ptr() // page * page
+    length = storage.data_ptr() + nbytes - start
+    if _madvise(start, length, MADV_POPULATE_WRITE):
+        return
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+    first = (page - storage.data_ptr() % page) % page  # the first byte at a page's start
+    with torch.no_grad():
+        raw[first::page].add_(0)
+        raw[:1].add_(0)
+
+
+def _madvise(start: int, length: int, advice: int) -> bool:
+    """libc `madvise(start, length, advice) == 0` (False where there is no libc to call)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0

@@ -64,6 +64,37 @@ def test_a_zeros_cache_is_resident_only_where_written():
     assert float(cache[100].float().sum()) == 8 * 16 * 128 and float(cache[99].abs().sum()) == 0
 
 
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="zeros_cache is torch.zeros here")
+@pytest.mark.parametrize("madvise", [True, False], ids=["populate-write", "touch"])
+def test_prefault_makes_every_page_resident_and_keeps_the_contents(madvise, monkeypatch):
+    """`prefault` on a 32 MiB zeros_cache with one written block: the whole cache becomes
+    resident (through madvise(MADV_POPULATE_WRITE), or through the read-and-rewrite of one byte
+    per page where that advice is refused), and every byte reads as before."""
+    from paged_kernels import cache_memory
+    if not madvise:
+        monkeypatch.setattr(cache_memory, "_madvise", lambda *args: False)
+    cache = pk.zeros_cache((1024, 8, 16, 128), torch.bfloat16)
+    cache[100].fill_(1.5)
+    cache[1023, 7, 15, 127] = -2.0  # the last element: its page is the range's last
+    before = _process_rss_kib()
+    pk.prefault(cache)
+    after = _process_rss_kib()
+    assert after - before > 24 * 1024
+    assert float(cache[100].float().sum()) == 1.5 * 8 * 16 * 128
+    assert float(cache[1023, 7, 15, 127]) == -2.0
+    assert float(cache.float().abs().sum()) == 1.5 * 8 * 16 * 128 + 2.0
+
+
+def test_prefault_of_a_view_and_of_other_tensors():
+    """A view prefaults its whole storage and changes nothing (an offset that is not a page
+    boundary, a plain torch tensor); an empty tensor is a no-op."""
+    base = torch.randn(3 * 4096 + 5)
+    want = base.clone()
+    pk.prefault(base[7:])
+    assert torch.equal(base, want)
+    pk.prefault(torch.empty(0))
+
+
 def _process_rss_kib() -> int:
     return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
 

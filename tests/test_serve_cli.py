@@ -85,6 +85,19 @@ def test_kv_cache_dtype_reaches_the_engine_config(argv, cache_dtype, calibrate, 
     assert (built[0].kv_cache_dtype, built[0].calculate_kv_scales) == (cache_dtype, calibrate)
 
 
+@pytest.mark.parametrize("argv, prefault", [([], True), (["--no-prefault-kv-cache"], False)])
+def test_prefault_kv_cache_reaches_the_engine_config(argv, prefault, monkeypatch):
+    import engine.llm_engine
+    import engine.serve
+
+    built = []
+    monkeypatch.setattr(engine.llm_engine, "LLMEngine",
+                        lambda model, dtype, config, device: built.append(config) or config)
+    monkeypatch.setattr(engine.serve, "_log_engine", lambda engine: None)
+    engine_builder(build_parser().parse_args(argv))()
+    assert built[0].prefault_kv_cache is prefault
+
+
 def test_kv_cache_dtype_rejects_an_unknown_name(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--kv-cache-dtype", "fp4"])
