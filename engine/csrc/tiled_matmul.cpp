@@ -33,7 +33,7 @@
 // groups, the first writes the tile's vectors to a per-thread buffer (K/2 x 64 bytes) that the
 // others read. Fewer than CHAIN_ROWS rows go through two tiles at a time, their chains
 // interleaved. Every weight byte is read from memory once per call (prefetched 8 tile-blocks
-// ahead by groups of 8 rows or more).
+// ahead into L1 by groups of 8 rows or more, 32 ahead into L2 by smaller groups).
 // Bytes moved per call: the packed weights, M * K bf16 activations per tile sweep (from cache),
 // M * K/32 float32 block sums, M * N bf16 outputs.
 //
@@ -75,6 +75,12 @@ constexpr int M_TILE = 12;      // most rows per group (registers: 2 per row + w
 constexpr int CHAIN_ROWS = 4;   // groups of fewer rows sum S in two chains (vdpbf16ps latency)
 constexpr int PREFETCH_BLOCKS = 8;  // tile-blocks ahead that a group reading packed tiles asks
                                     // the cache for (groups of 8 rows or more)
+// Groups of fewer rows stream the weights faster than they compute them: each of their tiles
+// asks L2 (prefetcht1, whose miss queue is deeper than L1's) for the tile-block this many ahead.
+// A decode step's matmuls at 1 row took 0.70-0.73x the time on a 2-vCPU Zen 4; 64 ahead did
+// as well, 8, 16 and 128 ahead and prefetcht0 less
+// (bench/results/2026-12-04-tiled-stream-prefetch).
+constexpr int FEW_ROWS_PREFETCH_BLOCKS = 32;
 constexpr int Q4_TB = 320;      // bytes per tile-block, Q4_1
 constexpr int Q8_TB = 544;      // bytes per tile-block, Q8_0
 constexpr int Q4_SCALES = 64;   // d[16] and m[16], f16
@@ -279,6 +285,9 @@ void tile_simd(const Problem& p, int64_t t, int64_t m0, __m512i* unpacked, bool 
     for (int u = 0; u < NT; ++u) blk[u] = p.w + ((t + u) * p.nb + b) * TB;
     if (MT >= 8 && (unpacked == nullptr || fresh))  // measured: -15 % at 8-16 rows (gate_up)
       prefetch_bytes<_MM_HINT_T0>(blk[0] + PREFETCH_BLOCKS * TB, TB);
+    if (MT < 8)
+      for (int u = 0; u < NT; ++u)
+        prefetch_bytes<_MM_HINT_T1>(blk[u] + FEW_ROWS_PREFETCH_BLOCKS * TB, TB);
     const uint16_t* xb = p.x + m0 * p.K + b * QK;
     __m512 s[NT][CH][MT];
     for (int u = 0; u < NT; ++u)
