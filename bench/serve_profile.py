@@ -9,7 +9,9 @@ Loads the model once, fills `batch` sequences with `--prompt-len` random prompt 
 "prefill" row: those steps, per step, and prompt tokens/s), then times `--steps` decode steps
 (the "decode" row) with wall-clock wrappers around the model's matmuls
 (its `_linear` helper if it has one, else `F.linear`; the LM head included), the attention
-plan's `run` and `write_kv` (as every layer calls them) and the sampler. Prints one markdown row per
+plan's `run` and `write_kv` (as every layer calls them) and the sampler. The KV pool is made
+resident before the prefill, as the server does by default (`--prefault-kv-cache`), so that the
+prefill row does not count its pages' first-touch faults. Prints one markdown row per
 (threads, batch, quantization, phase). `--quantization none gguf` loads the model once per
 setting and alternates them row by row (same machine load; docs/quant.md). `--clock cpu` times
 with the CPU time of the calling thread instead of the wall clock, for one thread only: on a
@@ -113,7 +115,8 @@ def decoding_engine(loaded: Any, batch: int, prompt_len: int = 256, max_tokens: 
 def profile(loaded: Any, batch: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """{"prefill": ..., "decode": ...}: each phase's breakdown per step and its tokens/s."""
     engine = LLMEngine(loaded, config=EngineConfig(max_model_len=args.prompt_len + 64 +
-                                                   args.steps + 8, backend=args.backend))
+                                                   args.steps + 8, backend=args.backend,
+                                                   prefault_kv_cache=True))
     engine.sampler.sample = timed("sampling", engine.sampler.sample)
     add_prompts(engine, batch, args.prompt_len, args.steps + 16)
     TIMES.clear()
