@@ -61,8 +61,8 @@ def _huge_page_tensor(shape: Sequence[int], dtype: torch.dtype,
 def prefault(t: torch.Tensor) -> None:
     """Makes every page of the CPU tensor `t`'s storage resident and writable now, leaving its
     contents as they are, so that no later write pays a page's first-touch fault (on a virtual
-    machine that is also the host's, ~2 ms a MiB on the 2-vCPU development machines; a first
-    `write_kv` into fresh pages is several times slower than into resident ones,
+    machine that is also the host's: 2-3 ms a MiB on the 2-vCPU development machines, where a
+    `write_kv` into fresh pages took 15-20x as long as into resident ones,
     bench/results/2026-12-04-kv-prefault). Linux 5.14 and later: `madvise(MADV_POPULATE_WRITE)`,
     which writes nothing; elsewhere one byte of every page is read and written back. Nothing on
     other devices. Call it while no other thread writes the memory."""
