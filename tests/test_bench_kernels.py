@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` lives at the repo root
 
-from bench import ceilings, kernels  # noqa: E402
+from bench import build_ab, ceilings, kernels  # noqa: E402
 from bench.timing import seconds_in_turns  # noqa: E402
 
 TINY = dict(num_heads=4, num_kv_heads=2, head_size=16, block_size=4)
@@ -34,6 +34,41 @@ def test_seconds_in_turns_calls_each_function_once_per_round_in_turns() -> None:
     assert calls == [0, 1, 2] * 4
     assert [len(t) for t in times] == [4, 4, 4]
     assert all(x >= 0 for t in times for x in t)
+
+
+def test_cold_and_hot_in_turns_rotates_the_layers_only_when_cold() -> None:
+    calls: list[tuple[int, int]] = []
+    per_call = build_ab.cold_and_hot_in_turns(lambda i, layer: calls.append((i, layer)), 2, 3)
+    n = build_ab.LAYERS
+    cold = [(i, layer) for i in range(2) for layer in range(n)] * 3
+    hot = [(i, 0) for i in range(2) for _ in range(n)] * 3
+    assert calls == [(0, 0), (1, 0)] + cold + [(0, 0), (1, 0)] + hot
+    assert set(per_call) == {"cold", "hot"} and all(len(v) == 2 for v in per_call.values())
+
+
+def test_steps_in_turns_switches_then_times_ten_steps() -> None:
+    events: list[str] = []
+    attention: list[float] = []
+
+    class Engine:
+        def step(self) -> None:
+            events.append("step")
+            attention.append(0.001)
+
+    times, in_attention = build_ab.steps_in_turns(
+        Engine(), [lambda: events.append("a"), lambda: events.append("b")], 2, attention)
+    assert events == (["a"] + ["step"] * 11 + ["b"] + ["step"] * 11) * 2
+    assert [len(t) for t in times] == [2, 2]
+    assert all(x == pytest.approx(1.0) for t in in_attention for x in t)  # 10 x 1 ms / 10
+
+
+@pytest.mark.parametrize("kernel,qtype,block", [("tiled", "Q4_1", 320), ("tiled", "Q8_0", 544),
+                                                ("int8", "Q8_0", 576)])
+def test_packed_tiles_size_alignment_and_scales(kernel: str, qtype: str, block: int) -> None:
+    w = build_ab.packed_tiles(40, 64, qtype, kernel)  # 3 tiles of 16 features x 2 blocks
+    assert w.numel() == 3 * 2 * block and w.data_ptr() % 64 == 0
+    scales = w.view(-1, block)[:, build_ab.SCALES_AT[qtype]:].contiguous().view(torch.float16)
+    assert bool(((scales >= 0) & (scales < 0.01)).all())
 
 
 @pytest.mark.parametrize("kind,batch,context,q_len", [

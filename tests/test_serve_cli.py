@@ -55,9 +55,9 @@ def test_bad_flags_exit(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, policy", [([], "paged"),
-                                          (["--kv-allocation", "reserve-pow2"], "reserve-pow2")])
-def test_kv_allocation_reaches_the_engine_config(argv, policy, monkeypatch):
+def built_config(argv: list[str], monkeypatch: pytest.MonkeyPatch):
+    """The EngineConfig that `engine_builder` passes to LLMEngine for the command line `argv`
+    (no model is loaded)."""
     import engine.llm_engine
     import engine.serve
 
@@ -66,7 +66,13 @@ def test_kv_allocation_reaches_the_engine_config(argv, policy, monkeypatch):
                         lambda model, dtype, config, device: built.append(config) or config)
     monkeypatch.setattr(engine.serve, "_log_engine", lambda engine: None)
     engine_builder(build_parser().parse_args(argv))()
-    assert built[0].kv_allocation == policy
+    return built[0]
+
+
+@pytest.mark.parametrize("argv, policy", [([], "paged"),
+                                          (["--kv-allocation", "reserve-pow2"], "reserve-pow2")])
+def test_kv_allocation_reaches_the_engine_config(argv, policy, monkeypatch):
+    assert built_config(argv, monkeypatch).kv_allocation == policy
 
 
 @pytest.mark.parametrize("argv, cache_dtype, calibrate", [
@@ -74,28 +80,13 @@ def test_kv_allocation_reaches_the_engine_config(argv, policy, monkeypatch):
     (["--kv-cache-dtype", "fp8"], "fp8", True),
     (["--kv-cache-dtype", "int8", "--no-calculate-kv-scales"], "int8", False)])
 def test_kv_cache_dtype_reaches_the_engine_config(argv, cache_dtype, calibrate, monkeypatch):
-    import engine.llm_engine
-    import engine.serve
-
-    built = []
-    monkeypatch.setattr(engine.llm_engine, "LLMEngine",
-                        lambda model, dtype, config, device: built.append(config) or config)
-    monkeypatch.setattr(engine.serve, "_log_engine", lambda engine: None)
-    engine_builder(build_parser().parse_args(argv))()
-    assert (built[0].kv_cache_dtype, built[0].calculate_kv_scales) == (cache_dtype, calibrate)
+    config = built_config(argv, monkeypatch)
+    assert (config.kv_cache_dtype, config.calculate_kv_scales) == (cache_dtype, calibrate)
 
 
 @pytest.mark.parametrize("argv, prefault", [([], True), (["--no-prefault-kv-cache"], False)])
 def test_prefault_kv_cache_reaches_the_engine_config(argv, prefault, monkeypatch):
-    import engine.llm_engine
-    import engine.serve
-
-    built = []
-    monkeypatch.setattr(engine.llm_engine, "LLMEngine",
-                        lambda model, dtype, config, device: built.append(config) or config)
-    monkeypatch.setattr(engine.serve, "_log_engine", lambda engine: None)
-    engine_builder(build_parser().parse_args(argv))()
-    assert built[0].prefault_kv_cache is prefault
+    assert built_config(argv, monkeypatch).prefault_kv_cache is prefault
 
 
 def test_kv_cache_dtype_rejects_an_unknown_name(capsys):

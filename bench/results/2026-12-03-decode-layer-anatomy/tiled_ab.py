@@ -18,13 +18,12 @@ from pathlib import Path
 
 import torch
 
+from bench.build_ab import packed_tiles
 from engine.native_build import TILED_TIERS, TiledKernel
 from paged_kernels.cpp_build import compile_flags, load_library
 
 SHAPES = [("qkv", 960, 576, "Q4_1"), ("o", 576, 576, "Q4_1"), ("gate_up", 3072, 576, "Q4_1"),
           ("down", 576, 1536, "Q4_1"), ("lm_head", 49152, 576, "Q8_0")]
-SCALES_AT = {"Q4_1": 256, "Q8_0": 512}
-TILE_BLOCK = {"Q4_1": 320, "Q8_0": 544}
 
 
 def build(i: int, spec: str) -> TiledKernel:
@@ -34,23 +33,12 @@ def build(i: int, spec: str) -> TiledKernel:
     return TiledKernel(load_library(Path(source).resolve(), f"tiled_ab{i}", flags, spec))
 
 
-def packed(n: int, k: int, qtype: str) -> torch.Tensor:
-    tb = TILE_BLOCK[qtype]
-    nbytes = (n + 15) // 16 * (k // 32) * tb
-    raw = torch.randint(0, 255, (nbytes + 64,), dtype=torch.uint8)
-    w = raw[-raw.data_ptr() % 64:][:nbytes]
-    blocks = w.view(-1, tb)
-    scales = torch.rand(blocks.shape[0], (tb - SCALES_AT[qtype]) // 2) * 0.01
-    blocks[:, SCALES_AT[qtype]:] = scales.to(torch.float16).view(torch.uint8)
-    return w
-
-
 def main() -> None:
     threads, rounds, m = (int(a) for a in sys.argv[1:4])
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     kernels = [build(i, spec) for i, spec in enumerate(sys.argv[4:])]
-    cases = [(name, n, k, q, packed(n, k, q), torch.randn(m, k).to(torch.bfloat16))
+    cases = [(name, n, k, q, packed_tiles(n, k, q), torch.randn(m, k).to(torch.bfloat16))
              for name, n, k, q in SHAPES]
     for name, n, _, q, w, x in cases:
         outs = [kernel.linear(x, w, q, n, threads) for kernel in kernels]

@@ -13,15 +13,14 @@ bit for bit."""
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
 
 import cpu_impl.backend as cpu_backend
 import paged_kernels as pk
-from bench.build_ab import HEAD_SIZE, HEADS, LAYERS, engine_attention_case, load_extension
-from bench.timing import seconds_in_turns
+from bench.build_ab import HEAD_SIZE, HEADS, LAYERS, cold_and_hot_in_turns, engine_attention_case
+from bench.build_ab import load_extension, print_cold_and_hot
 
 SEQS = 16
 PAGES = {"huge": pk.empty_cache, "4k": torch.empty}
@@ -51,20 +50,8 @@ def main() -> None:
                             None, HEAD_SIZE ** -0.5, 0, 0.0, cpu_backend.QUERY_TILE, threads,
                             read_ahead, None, None, lines)
 
-    def layers(i: int, mode: str) -> None:
-        for layer in range(LAYERS):
-            call(i, layer if mode == "cold" else 0)
-
-    for mode in ("cold", "hot"):
-        for i in range(len(variants)):
-            call(i, 0)
-        times = seconds_in_turns([lambda i=i, m=mode: layers(i, m) for i in range(len(variants))],
-                                 rounds)
-        equal = all(torch.equal(outs[0], o) for o in outs[1:])
-        cells = " ".join(f"{statistics.median(t) / LAYERS * 1e6:8.1f}" for t in times)
-        print(f"threads {threads} context {context} {pages} {mode}: {cells} us/call"
-              f" ({'equal' if equal else 'DIFFERENT'} outputs)", flush=True)
-
+    per_call = cold_and_hot_in_turns(call, len(variants), rounds)
+    print_cold_and_hot(f"threads {threads} context {context} {pages}", per_call, outs)
 
 if __name__ == "__main__":
     main()

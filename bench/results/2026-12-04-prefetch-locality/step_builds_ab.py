@@ -12,26 +12,14 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 
 import cpu_impl.backend as cpu_backend
 import paged_kernels as pk
-from bench.build_ab import load_extension
+from bench.build_ab import load_extension, steps_in_turns, timed_attention
 from bench.serve_profile import decoding_engine
 from engine.model.loader import load_model
-
-ATTENTION: list[float] = []
-
-
-def timed_attention(original):
-    """`CpuBackend.paged_attention` that adds each call's seconds to ATTENTION."""
-    def call(self, problem):
-        t = time.perf_counter()
-        original(self, problem)
-        ATTENTION.append(time.perf_counter() - t)
-    return call
 
 
 def main() -> None:
@@ -39,25 +27,20 @@ def main() -> None:
     variants = [(load_extension(v.split("@")[0]), int(v.split("@")[1]), v.endswith("@ra"))
                 for v in sys.argv[3:]]
     torch.set_num_threads(2)
-    cpu_backend.CpuBackend.paged_attention = timed_attention(cpu_backend.CpuBackend.paged_attention)
+    attention: list[float] = []
+    timed_attention(cpu_backend.CpuBackend, attention)
     backend = pk.backends.get_backend("cpu")
     loaded = load_model(None, dtype=torch.bfloat16, quantization="gguf")
     engine = decoding_engine(loaded, batch, max_tokens=900)
-    times: list[list[float]] = [[] for _ in variants]
-    attention: list[list[float]] = [[] for _ in variants]
-    for _ in range(rounds):
-        for i, (ext, lines, read_ahead) in enumerate(variants):
-            backend._ext = ext
-            cpu_backend.prefetch_lines = lines
-            cpu_backend.read_ahead = read_ahead
-            engine.step()  # first step after the switch: not timed
-            ATTENTION.clear()
-            t = time.perf_counter()
-            for _ in range(10):
-                engine.step()
-            times[i].append((time.perf_counter() - t) / 10 * 1e3)
-            attention[i].append(sum(ATTENTION) / 10 * 1e3)
-    for name, ms, att in zip(sys.argv[3:], times, attention):
+
+    def switch(ext, lines: int, read_ahead: bool) -> None:
+        backend._ext = ext
+        cpu_backend.prefetch_lines = lines
+        cpu_backend.read_ahead = read_ahead
+
+    times, in_attention = steps_in_turns(engine, [lambda v=v: switch(*v) for v in variants],
+                                         rounds, attention)
+    for name, ms, att in zip(sys.argv[3:], times, in_attention):
         print(f"{name.rsplit('/', 1)[-1]}: median {statistics.median(ms):.2f} ms, mean "
               f"{statistics.mean(ms):.2f} ms per step over {len(ms)} rounds of 10; attention "
               f"median {statistics.median(att):.2f} ms per step", flush=True)

@@ -23,25 +23,13 @@ from pathlib import Path
 
 import torch
 
+from bench.build_ab import packed_tiles
 from engine.native_build import INT8_TIERS, TILED_TIERS, Int8Kernel, TiledKernel
 from paged_kernels.cpp_build import compile_flags, load_library
 
 LAYER = [(960, 576, "Q4_1"), (576, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1")]
 HEAD = (49152, 576, "Q8_0")
 LAYERS = 30
-SCALES_AT = {"Q4_1": 256, "Q8_0": 512}
-TILE_BLOCK = {"tiled": {"Q4_1": 320, "Q8_0": 544}, "int8": {"Q4_1": 320, "Q8_0": 576}}
-
-
-def packed(kind: str, n: int, k: int, qtype: str) -> torch.Tensor:
-    tb = TILE_BLOCK[kind][qtype]
-    nbytes = (n + 15) // 16 * (k // 32) * tb
-    raw = torch.randint(0, 255, (nbytes + 64,), dtype=torch.uint8)
-    w = raw[-raw.data_ptr() % 64:][:nbytes]
-    blocks = w.view(-1, tb)
-    scales = torch.rand(blocks.shape[0], (tb - SCALES_AT[qtype]) // 2) * 0.01
-    blocks[:, SCALES_AT[qtype]:] = scales.to(torch.float16).view(torch.uint8)
-    return w
 
 
 def main() -> None:
@@ -54,9 +42,9 @@ def main() -> None:
     kernels = [cls(load_library(Path(s).resolve(), f"stream_ab_{kind}{i}", compile_flags(tiers),
                                 s))
                for i, s in enumerate(sources)]
-    mats = [(n, q, packed(kind, n, k, q), torch.randn(m, k).to(torch.bfloat16))
+    mats = [(n, q, packed_tiles(n, k, q, kind), torch.randn(m, k).to(torch.bfloat16))
             for _ in range(LAYERS) for n, k, q in LAYER]
-    mats.append((HEAD[0], HEAD[2], packed(kind, *HEAD), torch.randn(m, HEAD[1]).bfloat16()))
+    mats.append((HEAD[0], HEAD[2], packed_tiles(*HEAD, kind), torch.randn(m, HEAD[1]).bfloat16()))
     nbytes = sum(w.numel() for _, _, w, _ in mats)
     firsts = [[kernel.linear(x, w, q, n, threads) for n, q, w, x in mats[:4] + mats[-1:]]
               for kernel in kernels]
