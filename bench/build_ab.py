@@ -124,7 +124,7 @@ SCALES_AT = {"Q4_1": 256, "Q8_0": 512}
 
 def packed_tiles(n: int, k: int, qtype: str, kernel: str = "tiled") -> torch.Tensor:
     """Random packed tiles of an `n` x `k` matrix for `kernel` ("tiled" or "int8"), 64-byte
-    aligned, their f16 scales in [0, 0.01)."""
+    aligned, their f16 scales drawn from [0, 0.01) (then rounded to float16)."""
     tb = TILE_BLOCK[kernel][qtype]
     nbytes = (n + 15) // 16 * (k // 32) * tb
     raw = torch.randint(0, 255, (nbytes + 64,), dtype=torch.uint8)
