@@ -70,7 +70,7 @@ class KVCache:
     Without it a CPU pool is `paged_kernels.zeros_cache` memory: zero, in huge pages, and
     resident only as blocks are first written, each page's first write paying its first-touch
     fault in a step. `prefault` makes every page of the CPU pools resident here instead
-    (`paged_kernels.prefault`: a write_kv into fresh pages took 15-20x as long as into
+    (`paged_kernels.prefault`: a write_kv into fresh pages took 14-24x as long as into
     resident ones, bench/results/2026-12-04-kv-prefault); other devices' pools are left
     uninitialised. `dtype` is the caches' storage type; `scales` (`scales[i]` for layer `i`,
     engine/kv_scales.py) is required with an 8-bit `dtype` and None otherwise.

@@ -13,7 +13,6 @@ Measured on the cpu backend: docs/cpu.md.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 import mmap
 from typing import Optional, Sequence, Union
@@ -62,7 +61,7 @@ def prefault(t: torch.Tensor) -> None:
     """Makes every page of the CPU tensor `t`'s storage resident and writable now, leaving its
     contents as they are, so that no later write pays a page's first-touch fault (on a virtual
     machine that is also the host's: 2-3 ms a MiB on the 2-vCPU development machines, where a
-    `write_kv` into fresh pages took 15-20x as long as into resident ones,
+    `write_kv` into fresh pages took 14-24x as long as into resident ones,
     bench/results/2026-12-04-kv-prefault). Linux 5.14 and later: `madvise(MADV_POPULATE_WRITE)`,
     which writes nothing; elsewhere one byte of every page is read and written back. Nothing on
     other devices. Call it while no other thread writes the memory."""
@@ -85,10 +84,10 @@ def prefault(t: torch.Tensor) -> None:
 
 
 def _madvise(start: int, length: int, advice: int) -> bool:
-    """libc `madvise(start, length, advice) == 0` (False where there is no libc to call)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    """`madvise(start, length, advice) == 0` through the process's own libc (False where the
+    process has no `madvise` symbol)."""
+    madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None)
+    if madvise is None:
         return False
-    libc = ctypes.CDLL(name, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0

@@ -119,7 +119,10 @@ class ItemKernel {
       : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
         g_(p.group()), rh_(static_cast<int>(it.rows) * g_), nh_(it.kv_heads), rows_(rh_ * nh_),
         pairs_(uses_pairs(p)), amx_(pairs_ && rh_ <= 16 && amx_active()),
-        amx_rows_(pairs_ && rh_ > 16 && amx_active()), paced_(pairs_ && p.prefetch_lines > 0) {}
+        amx_rows_(pairs_ && rh_ > 16 && amx_active()), paced_(paces(p)) {}
+
+  // Whether the items run the paced prefetch (plan_reads): the vdpbf16ps path with a distance.
+  static bool paces(const Problem& p) { return uses_pairs(p) && p.prefetch_lines > 0; }
 
   // Whether Q.K and P.V run on vdpbf16ps (dot_scores, accumulate_pairs): a bf16 query and a bf16
   // or 8-bit cache (its rows staged as bf16 unit by unit, stage_bf16), d % 32 == 0, on the
@@ -999,8 +1002,7 @@ template <typename T, typename C>
 void run_items(const Problem& p, const at::Tensor& query, const at::Tensor& key_cache,
                const at::Tensor& value_cache, at::Tensor& out, int64_t tile, int64_t threads,
                bool read_ahead_kv) {
-  const bool paced = ItemKernel<T, C>::uses_pairs(p) && p.prefetch_lines > 0;
-  if (p.cu_seqlens_q == nullptr && read_ahead_kv && !paced) {
+  if (p.cu_seqlens_q == nullptr && read_ahead_kv && !ItemKernel<T, C>::paces(p)) {
     volatile int64_t read = read_ahead(p, key_cache, value_cache, threads);  // keeps the loads
     (void)read;
   }

@@ -130,7 +130,8 @@ bool paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   else if (query.scalar_type() == at::kHalf)
     run_for_cache<at::Half>(p, query, key_cache, value_cache, out, tile, threads, read_ahead_kv);
   else if (query.scalar_type() == at::kBFloat16)
-    run_for_cache<at::BFloat16>(p, query, key_cache, value_cache, out, tile, threads, read_ahead_kv);
+    run_for_cache<at::BFloat16>(p, query, key_cache, value_cache, out, tile, threads,
+                                read_ahead_kv);
   else
     TORCH_CHECK(false, "query: expected float32, float16 or bfloat16, got ", query.scalar_type());
   return true;

@@ -77,7 +77,7 @@ constexpr int PREFETCH_BLOCKS = 8;  // tile-blocks ahead that a group reading pa
                                     // the cache for (groups of 8 rows or more)
 // Groups of fewer rows stream the weights faster than they compute them: each of their tiles
 // asks L2 (prefetcht1, whose miss queue is deeper than L1's) for the tile-block this many ahead.
-// A decode step's matmuls at 1 row took 0.70-0.73x the time on a 2-vCPU Zen 4; 64 ahead did
+// A decode step's matmuls at 1 row took 0.70-0.76x the time on a 2-vCPU Zen 4; 64 ahead did
 // as well, 8, 16 and 128 ahead and prefetcht0 less
 // (bench/results/2026-12-04-tiled-stream-prefetch).
 constexpr int FEW_ROWS_PREFETCH_BLOCKS = 32;
