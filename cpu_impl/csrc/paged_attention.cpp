@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "entry_points.h"
 #include "kernel.h"
 #include "line_cursor.h"
 #include "problem.h"
@@ -264,6 +265,10 @@ int64_t read_ahead_sum(const at::Tensor& key_cache, const at::Tensor& value_cach
   return read_ahead(p, key_cache, value_cache, threads);
 }
 
+static_assert(std::is_same_v<decltype(&paged_attention), pk_cpu::PagedAttentionFn> &&
+                  std::is_same_v<decltype(&write_kv), pk_cpu::WriteKvFn>,
+              "entry_points.h must declare the bound functions' types");
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released: the kernels touch no Python object, and a server's other threads (HTTP,
   // tokenizer) keep running during a layer's attention.
@@ -276,6 +281,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("prefetch_lines") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, "scatter K/V rows into the caches (see cpu_impl/backend.py)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("entry_points", [] {
+          return std::vector<int64_t>{reinterpret_cast<int64_t>(&paged_attention),
+                                      reinterpret_cast<int64_t>(&write_kv)};
+        },
+        "the addresses of paged_attention and write_kv, typed as in entry_points.h");
   m.def("read_ahead", &read_ahead_sum, "a decode call's K/V read-ahead alone (read_ahead.h)",
         py::call_guard<py::gil_scoped_release>());
   m.def("prefetch_log", [](bool on) {

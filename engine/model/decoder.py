@@ -37,6 +37,7 @@ from engine.model.config import DecoderConfig
 from engine.model.metadata import AttentionMetadata
 from engine.model.quant import QuantizedWeight, quantized_linear
 from engine.model.quant_int8 import int8_linear
+from engine.model.layer_loop import LayerLoop, build_layer_loop
 from engine.model.quant_tiled import tiled_linear
 from engine.model.rope import Rotary, RotaryEmbedding
 from engine.model.sharding import ModelShard, check_tensor_parallel, take
@@ -235,6 +236,23 @@ class DecoderForCausalLM(nn.Module):
         self.embedding_multiplier = (None if config.embedding_multiplier is None else
                                      torch.tensor(config.embedding_multiplier, dtype=dtype))
         self.windows = sliding_windows(self.layers)
+        self._layer_loop: Optional[LayerLoop] = None
+        self._layer_loop_built = False
+
+    def layer_loop(self) -> Optional[LayerLoop]:
+        """The native loop that runs this model's layers in decode-sized steps
+        (engine/model/layer_loop.py), built at the first call after the weights are loaded, or
+        None where the model does not qualify (`loop_problem`)."""
+        if not self._layer_loop_built:
+            self._layer_loop_built = True
+            self._layer_loop = build_layer_loop(self)
+        return self._layer_loop
+
+    def weights_changed(self) -> None:
+        """Drops the layer loop (it holds the weights it was built from); the next step builds
+        it again. Called by `load_weights` and by whatever replaces the projections."""
+        self._layer_loop = None
+        self._layer_loop_built = False
 
     @staticmethod
     def _rotary_embeddings(config: DecoderConfig,
@@ -272,6 +290,11 @@ class DecoderForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed_tokens)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
+        if kv_scales is None:
+            loop = self.layer_loop()
+            out = None if loop is None else loop.run(hidden, rotary, kv_caches, plans)
+            if out is not None:
+                return out
         residual = None
         scales = kv_scales or [None] * len(self.layers)
         for layer, kv_cache, layer_scales in zip(self.layers, kv_caches, scales):
@@ -353,6 +376,7 @@ class DecoderForCausalLM(nn.Module):
             return True
         if self.embed_tokens.device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return False
+        self.weights_changed()
         targets = [(layer, name) for layer in self.layers
                    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
         if not _pack(self, "lm_head"):
@@ -379,6 +403,7 @@ class DecoderForCausalLM(nn.Module):
         if self.packed:
             raise RuntimeError("load_weights: the weights were packed for inference "
                                "(pack_weights); load into a fresh model")
+        self.weights_changed()
         table = layer_tensors(self.config)
         loaded: set[str] = set()
         found_scales: dict[int, dict[str, torch.Tensor]] = {}

@@ -209,6 +209,7 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
     Each file tensor is cut to the model's tensor-parallel shard (`model.shard`) as it arrives,
     so only the shard's blocks are ever held."""
     by_name = _shard_blocks(model, blocks)
+    model.weights_changed()
     if tiled is None:
         tiled = (not int8 and model.dtype == torch.bfloat16
                  and tiled_kernel_problem() is None)
