@@ -7,7 +7,8 @@ forward and of `compute_logits` (norms, rotary, activations, residual adds, the 
 
 Loads the model once, fills `batch` sequences with `--prompt-len` random prompt tokens (the
 "prefill" row: those steps, per step, and prompt tokens/s), then times `--steps` decode steps
-(the "decode" row) with wall-clock wrappers around the model's matmuls
+(the "decode" row) with the layers in Python (the native layer loop off, as its calls are what
+is timed) and wall-clock wrappers around the model's matmuls
 (its `_linear` helper if it has one, else `F.linear`; the LM head included), the attention
 plan's `run` and `write_kv` (as every layer calls them) and the sampler. The KV pool is made
 resident before the prefill, as the server does by default (`--prefault-kv-cache`), so that the
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.model.decoder as decoder
+from engine.model import layer_loop
 from engine.config import QUANTIZATION_MODES, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.loader import load_model
@@ -55,7 +57,11 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def install_model_timers(model: Any) -> None:
     """The model's forward and LM head, and, on the first call of the process, the model code's
-    matmuls, attention and KV writes."""
+    matmuls, attention and KV writes. The timers wrap the Python layers' calls, so the native
+    layer loop (engine/model/layer_loop.py: the same kernels, without the Python between them)
+    is turned off for the process: the breakdown is of the Python layers' step."""
+    layer_loop.use_loop = False
+    model.weights_changed()
     model.forward = timed("forward", model.forward)
     model.compute_logits = timed("logits", model.compute_logits)
     if getattr(decoder, "_profiled", False):
