@@ -5,11 +5,13 @@ a share of the machine's ceiling (`bench.ceilings`, measured first in the same p
     python -m bench.decode_roofline --batch 1 16 --quantization auto gguf-int8 --out roofline.json
 
 Work per decode step, counted while the step runs:
-- matmuls (the model's `_linear`, the LM head included): 2 * rows * out * in flops, and the bytes
+- matmuls (the model's `_linear`, the LM head included, and the projections of every layer of a
+  step that the native layer loop runs): 2 * rows * out * in flops, and the bytes
   of the operand each call reads (`QuantizedWeight.operand`: int8 tiles, GGUF blocks or the dense
   weight; a plain tensor's own bytes);
-- attention (`AttentionPlan.run`): the K and V bytes of every visible position of every
-  sequence, per layer (`[num_blocks, num_kv_heads, block_size, head_size]` caches, a sliding
+- attention (`AttentionPlan.run`, or every layer of a step that the native layer loop runs,
+  engine/model/layer_loop.py): the K and V bytes of every visible position of every sequence,
+  per layer (`[num_blocks, num_kv_heads, block_size, head_size]` caches, a sliding
   window's positions only).
 
 Ceilings: the copy bandwidth of a `--copy-mib` MiB copy (read + written bytes; larger than the
@@ -33,6 +35,7 @@ import bench.serve_profile as serve_profile
 import engine.model.decoder as decoder
 from bench.ceilings import copy_bandwidth, matmul_rate
 from engine.config import QUANTIZATION_MODES
+from engine.model.layer_loop import LayerLoop
 from engine.model.loader import load_model
 from engine.model.quant import QuantizedWeight
 
@@ -85,12 +88,31 @@ def counting_run(run: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def counting_loop(run: Callable[..., Any]) -> Callable[..., Any]:
+    """`LayerLoop.run` counting what its layers did when it ran the step: the work that
+    `counting_linear` and `counting_run` count for the same calls in the Python layers."""
+    def wrapper(loop: LayerLoop, hidden: torch.Tensor, rotary: Any, kv_caches: list[Any],
+                plans: Any) -> Optional[torch.Tensor]:
+        out = run(loop, hidden, rotary, kv_caches, plans)
+        if out is not None:
+            rows = hidden.shape[0]
+            for weight in (w for layer in loop.weights for w in layer):
+                out_features, in_features = weight.shape
+                WORK["matmul_flop"] += 2.0 * rows * out_features * in_features
+                WORK["matmul_bytes"] += weight_bytes(weight, rows)
+            per_token = sum(c.shape[1] * c.shape[3] * c.element_size() for c in kv_caches[0])
+            WORK["kv_bytes"] += float(context_tokens(plans[None]) * per_token * len(kv_caches))
+        return out
+    return wrapper
+
+
 def install_counters() -> None:
     """Counts every matmul's and attention call's work (after serve_profile's timers, whose
-    wrappers these call)."""
+    wrappers these call), in the Python layers and in the native layer loop."""
     decoder._linear = counting_linear(decoder._linear)
     plan_class = decoder.AttentionPlan
     plan_class.run = counting_run(plan_class.run)
+    LayerLoop.run = counting_loop(LayerLoop.run)
 
 
 def roofline(row: dict[str, float], work: dict[str, float], ceilings: dict[str, Any]

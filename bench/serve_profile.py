@@ -6,17 +6,17 @@ forward and of `compute_logits` (norms, rotary, activations, residual adds, the 
     python -m bench.serve_profile --batch 1 16 --threads 1 2 --dtype bfloat16
 
 Loads the model once, fills `batch` sequences with `--prompt-len` random prompt tokens (the
-"prefill" row: those steps, per step, and prompt tokens/s), then times `--steps` decode steps
-(the "decode" row) with the layers in Python (the native layer loop off, as its calls are what
-is timed) and wall-clock wrappers around the model's matmuls
-(its `_linear` helper if it has one, else `F.linear`; the LM head included), the attention
-plan's `run` and `write_kv` (as every layer calls them) and the sampler. The KV pool is made
-resident before the prefill, as the server does by default (`--prefault-kv-cache`), so that the
-prefill row does not count its pages' first-touch faults. Prints one markdown row per
-(threads, batch, quantization, phase). `--quantization none gguf` loads the model once per
-setting and alternates them row by row (same machine load; docs/quant.md). `--clock cpu` times
-with the CPU time of the calling thread instead of the wall clock, for one thread only: on a
-machine shared with other busy processes it leaves out the time the thread waited for a core.
+"prefill" row: those steps, per step, and prompt tokens/s), then times `--steps` decode steps (the
+"decode" row) with wall-clock wrappers around the model's matmuls (its `_linear` helper if it has
+one, else `F.linear`; the LM head included), the attention plan's `run` and `write_kv` (as every
+layer calls them) and the sampler; steps that the native layer loop runs
+(engine/model/layer_loop.py) time the same parts with its own clock. The KV pool is made resident
+before the prefill, as the server does by default (`--prefault-kv-cache`), so that the prefill row
+does not count its pages' first-touch faults. Prints one markdown row per (threads, batch,
+quantization, phase). `--quantization none gguf` loads the model once per setting and alternates
+them row by row (same machine load; docs/quant.md). `--clock cpu` times with the CPU time of the
+calling thread instead of the wall clock, for one thread only: on a machine shared with other busy
+processes it leaves out the time the thread waited for a core.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ from engine.model.loader import load_model
 from engine.sampling_params import SamplingParams
 
 TIMES: dict[str, float] = defaultdict(float)
+#: The native layer loop's parts, in the order of its timers (engine/csrc/layer_loop.cpp);
+#: its "other" (norms, rotary, SiLU) is left in "other model ops".
+LOOP_PARTS = ("matmul", "attention", "write_kv", "other")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 clock = time.perf_counter
 
@@ -57,11 +60,10 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def install_model_timers(model: Any) -> None:
     """The model's forward and LM head, and, on the first call of the process, the model code's
-    matmuls, attention and KV writes. The timers wrap the Python layers' calls, so the native
-    layer loop (engine/model/layer_loop.py: the same kernels, without the Python between them)
-    is turned off for the process: the breakdown is of the Python layers' step."""
-    layer_loop.use_loop = False
-    model.weights_changed()
+    matmuls, attention and KV writes: in the Python layers by wrappers, in the native layer loop
+    (engine/model/layer_loop.py) by its own clock (`layer_loop.timers`)."""
+    if layer_loop.timers is None:
+        layer_loop.timers = torch.zeros(len(LOOP_PARTS), dtype=torch.float64)
     model.forward = timed("forward", model.forward)
     model.compute_logits = timed("logits", model.compute_logits)
     if getattr(decoder, "_profiled", False):
@@ -125,13 +127,13 @@ def profile(loaded: Any, batch: int, args: argparse.Namespace) -> dict[str, dict
                                                    prefault_kv_cache=True))
     engine.sampler.sample = timed("sampling", engine.sampler.sample)
     add_prompts(engine, batch, args.prompt_len, args.steps + 16)
-    TIMES.clear()
+    clear_times()
     t = clock()
     steps = prefill(engine)
     prefill_row = _breakdown(clock() - t, steps, batch * args.prompt_len)
     for _ in range(3):
         engine.step()  # warm up the decode path
-    TIMES.clear()
+    clear_times()
     t = clock()
     for _ in range(args.steps):
         engine.step()
@@ -139,10 +141,22 @@ def profile(loaded: Any, batch: int, args: argparse.Namespace) -> dict[str, dict
             "decode": _breakdown(clock() - t, args.steps, batch * args.steps)}
 
 
+def clear_times() -> None:
+    """Zeroes TIMES and the layer loop's timers (the start of a phase)."""
+    TIMES.clear()
+    if layer_loop.timers is not None:
+        layer_loop.timers.zero_()
+
+
 def _breakdown(seconds: float, steps: int, tokens: int) -> dict[str, float]:
-    """Per-step milliseconds of each part from TIMES, and tokens/s over `seconds`."""
+    """Per-step milliseconds of each part from TIMES and the layer loop's timers, and
+    tokens/s over `seconds`."""
     total = seconds / steps * 1000
-    ms = defaultdict(float, {k: v / steps * 1000 for k, v in TIMES.items()})
+    times = defaultdict(float, TIMES)
+    if layer_loop.timers is not None:
+        for part, s in zip(LOOP_PARTS[:3], layer_loop.timers.tolist()):
+            times[part] += s
+    ms = defaultdict(float, {k: v / steps * 1000 for k, v in times.items()})
     model_ms = ms["forward"] + ms["logits"]  # the LM head's matmul is in "matmul" too
     other_model = model_ms - ms["matmul"] - ms["attention"] - ms["write_kv"]
     return {"steps": steps, "step_ms": total, "matmul_ms": ms["matmul"],

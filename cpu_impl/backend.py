@@ -36,7 +36,12 @@ from paged_kernels.abi import (
     Support,
     check_attention_contents,
 )
-from paged_kernels.backends import GENERIC_BLOCK_OPS, Backend, BackendUnavailable
+from paged_kernels.backends import (
+    GENERIC_BLOCK_OPS,
+    Backend,
+    BackendUnavailable,
+    NativeEntryPoints,
+)
 from paged_kernels.kv_quant import QUANTIZED_CACHE_DTYPES
 
 SUPPORT = Support(
@@ -128,6 +133,13 @@ class CpuBackend(Backend):
             check_attention_contents(p)
             raise AssertionError("cpu kernel rejected contents that check_attention_contents "
                                  "accepts")
+
+    def native_entry_points(self) -> NativeEntryPoints:
+        """`paged_attention` and `write_kv` of the extension, typed as in
+        csrc/entry_points.h, with the tuning values this module's calls pass now."""
+        attention, write = self._ext.entry_points()
+        return NativeEntryPoints("cpu_impl/csrc/entry_points.h", attention, write, QUERY_TILE,
+                                 torch.get_num_threads(), read_ahead, prefetch_lines)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -23,14 +23,14 @@ from paged_kernels.abi import (
     check_write_kv_args,
     content_checks_requested,
 )
-from paged_kernels.backends import call_write_kv, resolve_backend
+from paged_kernels.backends import NativeEntryPoints, call_write_kv, resolve_backend
 from paged_kernels.plan import AttentionPlan, plan
 
 #: A scale argument: a float, or a float32 tensor `[1]` or `[num_kv_heads]`.
 ScaleArg = Union[float, torch.Tensor, None]
 
 __all__ = ["paged_attention", "write_kv", "copy_blocks", "swap_blocks", "merge_attn_states",
-           "plan", "AttentionPlan"]
+           "plan", "AttentionPlan", "NativeEntryPoints"]
 
 
 def paged_attention(

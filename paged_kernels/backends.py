@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -37,6 +38,24 @@ _REGISTRY: dict[str, str] = {
     "reference": "reference.backend:ReferenceBackend",
     "cuda-host": "cuda.paged_cuda.host_backend:CudaHostBackend",
 }
+
+
+@dataclass(frozen=True)
+class NativeEntryPoints:
+    """A backend's `paged_attention` and `write_kv` as C++ function pointers, for native
+    callers built against the same torch that run many layers without returning to Python
+    (engine/csrc/layer_loop.cpp). `header` is the repository path of the header that declares
+    their types (a caller checks that it was compiled against that one); `paged_attention` and
+    `write_kv` are their addresses; the rest are the arguments the backend's own Python calls
+    pass beyond the ABI's tensors, as they stand now (tuning values, read at each call)."""
+
+    header: str
+    paged_attention: int
+    write_kv: int
+    tile: int
+    threads: int
+    read_ahead: bool
+    prefetch_lines: int
 
 
 class Backend(ABC):
@@ -79,6 +98,11 @@ class Backend(ABC):
         contiguous float32 `[num_kv_heads]` tensors on the cache's device and each row is stored
         quantised (docs/abi.md, `paged_kernels.kv_quant`); for a float cache they are None and
         not passed (`call_write_kv`), so a backend without 8-bit support may omit them."""
+
+    def native_entry_points(self) -> Optional[NativeEntryPoints]:
+        """This backend's kernels for native callers (`NativeEntryPoints`), or None (the
+        default: it has no such entry)."""
+        return None
 
     def copy_blocks(self, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
                     block_mapping: torch.Tensor) -> None:

@@ -39,7 +39,7 @@ from paged_kernels.abi import (
     requested_features,
     strided_features,
 )
-from paged_kernels.backends import Backend, call_write_kv, resolve_backend
+from paged_kernels.backends import Backend, NativeEntryPoints, call_write_kv, resolve_backend
 from paged_kernels.kv_quant import is_quantized
 
 #: A scale argument: a float, or a float32 tensor `[1]` or `[num_kv_heads]`.
@@ -136,6 +136,13 @@ class AttentionPlan:
         if self.num_tokens:
             call_write_kv(self.backend, key, value, key_cache, value_cache, slot_mapping,
                           k_scale, v_scale)
+
+    def native_entry_points(self) -> Optional[NativeEntryPoints]:
+        """The plan's backend's kernels as C++ function pointers (`NativeEntryPoints`), or
+        None when it has none. A native caller that runs them for this plan's layers passes
+        the plan's metadata and what `run`/`write_kv` pass, and checks each layer's tensors as
+        `layer.check_run`/`layer.check_write` do (docs/abi.md, "Native entry points")."""
+        return self.backend.native_entry_points()
 
     def _scales(self, k_scale: ScaleArg, v_scale: ScaleArg
                 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

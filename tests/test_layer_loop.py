@@ -85,19 +85,31 @@ def test_steps_give_the_python_layers_bits(loaded, monkeypatch, threads):
     spy = Spy(monkeypatch)
     native, native_caches = _generate(loaded, loop=True, threads=threads)
     assert native == python
-    for (k0, v0), (k1, v1) in zip(python_caches, native_caches):
-        assert torch.equal(k0.view(torch.int16), k1.view(torch.int16))
-        assert torch.equal(v0.view(torch.int16), v1.view(torch.int16))
+    _assert_same_bytes(python_caches, native_caches)
     assert spy.ran >= 11  # the decode steps
     int8 = loaded.model.layer_loop().int8
     assert spy.declined == (0 if int8 else 1)  # tiled weights: the 4-prompt prefill is dense
 
 
-def test_an_8bit_cache_takes_the_python_layers(loaded, monkeypatch):
-    """Per-layer KV scales are the Python layers' job: the loop is never asked."""
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_8bit_cache_steps_give_the_python_layers_bits(loaded, monkeypatch, kv_cache_dtype):
+    """An 8-bit cache: the engine's calibration step sets the layers' scales from its K/V in
+    the Python layers; the loop runs the later steps with those scales (tiled weights: not the
+    dense prefill), and everything is bit for bit the Python layers' (tokens,
+    log-probabilities, the cache bytes)."""
+    python, python_caches = _generate(loaded, loop=False, kv_cache_dtype=kv_cache_dtype)
     spy = Spy(monkeypatch)
-    results, _ = _generate(loaded, loop=True, kv_cache_dtype="int8")
-    assert len(results) == 4 and spy.ran == spy.declined == 0
+    native, native_caches = _generate(loaded, loop=True, kv_cache_dtype=kv_cache_dtype)
+    assert native == python
+    _assert_same_bytes(python_caches, native_caches)
+    assert spy.ran >= 11 and spy.declined <= 2
+
+
+def _assert_same_bytes(caches0, caches1) -> None:
+    assert len(caches0) == len(caches1)
+    for (k0, v0), (k1, v1) in zip(caches0, caches1):
+        assert torch.equal(k0.view(torch.uint8), k1.view(torch.uint8))
+        assert torch.equal(v0.view(torch.uint8), v1.view(torch.uint8))
 
 
 def test_steps_with_more_rows_than_the_tiles_take_the_python_layers(loaded, monkeypatch):
@@ -159,3 +171,15 @@ def test_new_weights_rebuild_the_loop(loaded):
     model.weights_changed()
     second = model.layer_loop()
     assert second is not None and second is not first
+
+
+def test_timers_split_the_steps_it_runs(loaded, monkeypatch):
+    """`layer_loop.timers` (bench.serve_profile's) gets every part of the steps the loop ran."""
+    timers = torch.zeros(4, dtype=torch.float64)
+    monkeypatch.setattr(layer_loop, "timers", timers)
+    spy = Spy(monkeypatch)
+    _generate(loaded, loop=True)
+    assert spy.ran >= 11 and bool((timers > 0).all())
+    monkeypatch.setattr(layer_loop, "timers", torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"times: expected a float64 tensor \[4\]"):
+        _generate(loaded, loop=True)

@@ -249,3 +249,24 @@ def test_decode_plan_with_no_tokens() -> None:
     assert attn.run(torch.zeros(0, 2, 8), cache, cache).shape == (0, 2, 8)
     attn.write_kv(torch.zeros(0, 1, 8), torch.zeros(0, 1, 8), cache, cache)
     assert torch.isnan(cache).all()
+
+
+def test_native_entry_points_are_the_backends_own() -> None:
+    """A backend without native entry points gives None; the cpu backend gives its two kernels'
+    addresses, the header that types them, and what its own calls pass beyond the tensors."""
+    from pathlib import Path
+
+    case, args = _simple()
+    reference = plan(case.block_tables, case.seq_lens, **{**args, "backend": "reference"})
+    assert reference.native_entry_points() is None
+    if "cpu" not in pk.available_backends():
+        return
+    from cpu_impl import backend as cpu
+
+    entry = plan(case.block_tables, case.seq_lens,
+                 **{**args, "backend": "cpu"}).native_entry_points()
+    assert (Path(__file__).resolve().parent.parent / entry.header).is_file()
+    assert entry.paged_attention > 0 and entry.write_kv > 0
+    assert entry.paged_attention != entry.write_kv
+    assert (entry.tile, entry.threads, entry.read_ahead, entry.prefetch_lines) == (
+        cpu.QUERY_TILE, torch.get_num_threads(), cpu.read_ahead, cpu.prefetch_lines)

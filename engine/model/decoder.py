@@ -290,11 +290,10 @@ class DecoderForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed_tokens)
         if self.embedding_multiplier is not None:
             hidden = hidden * self.embedding_multiplier
-        if kv_scales is None:
-            loop = self.layer_loop()
-            out = None if loop is None else loop.run(hidden, rotary, kv_caches, plans)
-            if out is not None:
-                return out
+        loop = self.layer_loop()
+        out = None if loop is None else loop.run(hidden, rotary, kv_caches, plans, kv_scales)
+        if out is not None:
+            return out
         residual = None
         scales = kv_scales or [None] * len(self.layers)
         for layer, kv_cache, layer_scales in zip(self.layers, kv_caches, scales):
