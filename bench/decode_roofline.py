@@ -92,8 +92,8 @@ def counting_loop(run: Callable[..., Any]) -> Callable[..., Any]:
     """`LayerLoop.run` counting what its layers did when it ran the step: the work that
     `counting_linear` and `counting_run` count for the same calls in the Python layers."""
     def wrapper(loop: LayerLoop, hidden: torch.Tensor, rotary: Any, kv_caches: list[Any],
-                plans: Any) -> Optional[torch.Tensor]:
-        out = run(loop, hidden, rotary, kv_caches, plans)
+                plans: Any, *args: Any) -> Optional[torch.Tensor]:
+        out = run(loop, hidden, rotary, kv_caches, plans, *args)
         if out is not None:
             rows = hidden.shape[0]
             for weight in (w for layer in loop.weights for w in layer):

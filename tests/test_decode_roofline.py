@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` lives at
 
 import engine.model.decoder as decoder  # noqa: E402
 from bench import decode_roofline  # noqa: E402
+from engine.model import layer_loop  # noqa: E402
 from engine.model.quant import GGUFBlocks, QuantizedWeight  # noqa: E402
 from engine.model.quant_int8 import pack_int8  # noqa: E402
 from engine.model.quant_tiled import pack_tiled  # noqa: E402
@@ -110,7 +111,8 @@ def test_small_run_counts_the_models_own_sizes(tmp_path: Path, monkeypatch) -> N
         pytest.skip(str(exc))
     # the run wraps these module-wide: restore them for the other tests of this process
     for owner, name in ((decoder, "_linear"), (decoder.AttentionPlan, "run"),
-                        (decoder.AttentionPlan, "write_kv")):
+                        (decoder.AttentionPlan, "write_kv"), (layer_loop.LayerLoop, "run"),
+                        (layer_loop, "timers")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
     monkeypatch.setattr(decoder, "_profiled", False, raising=False)
     out = tmp_path / "roofline.json"
