@@ -13,7 +13,9 @@ layer) and, once loaded, packed in oneDNN's layout (`pack_weights`); the element
 are one fused call each on CPU tensors (`layer_ops`); the forward never synchronises (no
 `.item()`); the attention metadata is built once per step by the caller and checked once per
 forward and sliding window (`paged_kernels.attention.plan`), then each layer runs its plan on
-its own caches.
+its own caches. Where the model and the step qualify (a bfloat16 Llama-style model on GGUF tiles,
+the cpu backend), `forward` runs every layer in one native call instead
+(engine/model/layer_loop.py): the same kernels and bits, without the Python between them.
 
 Under tensor parallelism (`tp`, engine/parallel_state.py) each rank builds and loads only its
 shard (engine/model/sharding.py: column-parallel QKV and gate/up, row-parallel output and down
@@ -34,10 +36,10 @@ from engine.kv_scales import LayerKVScales, file_scales_from
 from engine.model import layer_ops
 from engine.model.checkpoint_names import KV_SCALE_TENSORS, NORM_PARAMS, layer_tensors
 from engine.model.config import DecoderConfig
+from engine.model.layer_loop import LayerLoop, build_layer_loop
 from engine.model.metadata import AttentionMetadata
 from engine.model.quant import QuantizedWeight, quantized_linear
 from engine.model.quant_int8 import int8_linear
-from engine.model.layer_loop import LayerLoop, build_layer_loop
 from engine.model.quant_tiled import tiled_linear
 from engine.model.rope import Rotary, RotaryEmbedding
 from engine.model.sharding import ModelShard, check_tensor_parallel, take
