@@ -4,10 +4,13 @@
 // layer_ops.cpp (one op per call, on tensors) and layer_loop.cpp (a whole decode step's layers in
 // one call), so that both give the same bits. No torch headers.
 //
-// Work split: rows (tokens) over OpenMP threads, only when an op has at least kParallelElems
-// elements (prefill); decode-sized ops run on the calling thread (a fork costs more than the op).
-// Inner loops are written so that the compiler vectorises them (`omp simd`, no calls but the
-// inline helpers below).
+// Work split: rows (tokens) over OpenMP threads when an op has at least kParallelElems elements
+// (a batch of 16 rows of 576 and up; rows are independent, so the bits do not depend on it);
+// smaller ops run on the calling thread (a fork costs more than the op). In the layer loop the
+// other threads are still spinning from the matmul before, so a fork is cheap, and splitting
+// 16-row ops shortens the step (measured: bench/results/2026-12-04-layer-loop). Inner loops are
+// written so that the compiler vectorises them (`omp simd`, no calls but the inline helpers
+// below).
 #pragma once
 
 #include <cmath>
@@ -16,7 +19,10 @@
 
 namespace layer_rows {
 
-constexpr int64_t kParallelElems = 1 << 15;
+#ifndef LAYER_ROWS_PARALLEL_ELEMS  // (a build flag for A/B runs)
+#define LAYER_ROWS_PARALLEL_ELEMS (1 << 12)
+#endif
+constexpr int64_t kParallelElems = LAYER_ROWS_PARALLEL_ELEMS;
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) {
