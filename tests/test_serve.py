@@ -322,9 +322,11 @@ def test_abort_stream_on_disconnect_frees_blocks(server, http, model):
 def test_abort_non_stream_on_disconnect(server, http, model):
     wait_idle(http)
     aborted_before = metric(http, "vllm:request_success_total", 'finished_reason="abort"')
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 80, "ignore_eos": True}
-    # the client gives up (0.3 s without a response) well before 80 tokens are done (~0.7-1 s at
-    # 9-12 ms a token); only the read times out, so a slow connect on a loaded machine is no flake
+    # 16 samples of 88 tokens (the model length allows 96): 88 steps of 16 rows on one thread,
+    # seconds of work on the machines we run on, while the client gives up after 0.3 s without
+    # a response and the server looks for a disconnect every 0.25 s; only the read times out, so
+    # a slow connect on a loaded machine is no flake
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 88, "n": 16, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base_url}/v1/completions", json=body,
                    timeout=httpx.Timeout(10.0, read=0.3))
