@@ -4,6 +4,7 @@ bytes), it runs the steps it claims and no others, and it says why a model does 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Optional
 
@@ -121,9 +122,9 @@ def test_steps_with_more_rows_than_the_tiles_take_the_python_layers(loaded, monk
     assert spy.declined >= 1 and spy.ran >= 11
 
 
-def test_caches_unlike_the_first_layers_are_refused(loaded):
-    """The plan checks the first layer's caches; the loop refuses any other layer's that differ
-    from them, before it runs anything."""
+def _one_step_args(loaded):
+    """The arguments of one decode-sized forward of `loaded`'s model (a 10-token prompt's
+    prefill), for direct calls of the loop: (input_ids, positions, kv_caches, meta)."""
     model = loaded.model
     engine = LLMEngine(loaded, config=EngineConfig(max_model_len=256))
     engine.add_request("0", list(range(300, 310)), SamplingParams(max_tokens=3,
@@ -140,15 +141,38 @@ def test_caches_unlike_the_first_layers_are_refused(loaded):
         engine.step()
     finally:
         del model.forward
-    input_ids, positions, kv_caches, meta = captured["args"]
-    k, v = kv_caches[1]
-    caches = list(kv_caches)
-    caches[1] = (k[:-1], v[:-1])
+    return captured["args"]
+
+
+def _run_loop(model, input_ids, positions, kv_caches, meta):
     rotary = model._step_rotary(positions, meta)
     plans = model.plan_attention(meta, input_ids.shape[0], kv_caches[0][0])
     hidden = torch.nn.functional.embedding(input_ids, model.embed_tokens)
+    return model.layer_loop().run(hidden, rotary, kv_caches, plans)
+
+
+def test_caches_unlike_the_first_layers_are_refused(loaded):
+    """The plan checks the first layer's caches; the loop refuses any other layer's that differ
+    from them, before it runs anything."""
+    input_ids, positions, kv_caches, meta = _one_step_args(loaded)
+    k, v = kv_caches[1]
+    caches = list(kv_caches)
+    caches[1] = (k[:-1], v[:-1])
     with pytest.raises(RuntimeError, match="caches: expected every layer's caches to match"):
-        model.layer_loop().run(hidden, rotary, caches, plans)
+        _run_loop(loaded.model, input_ids, positions, caches, meta)
+
+
+def test_block_ids_the_kernel_refuses_raise_the_abis_error(loaded):
+    """A block table the plan did not scan (content checks are on request for the cpu
+    backend) with a block id past the cache: the kernel refuses it, and the loop raises the
+    error the plan's own `run` raises, which names `block_tables`."""
+    input_ids, positions, kv_caches, meta = _one_step_args(loaded)
+    bad = meta.block_tables.clone()
+    bad[0, 0] = kv_caches[0][0].shape[0] + 5
+    with pytest.raises(ValueError, match="^block_tables") as raised:
+        _run_loop(loaded.model, input_ids, positions, kv_caches,
+                  dataclasses.replace(meta, block_tables=bad))
+    assert "rejected the attention metadata" in str(raised.value.__context__)
 
 
 def test_loop_problem_names_what_stops_a_model(loaded, monkeypatch):

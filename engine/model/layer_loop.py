@@ -38,11 +38,10 @@ if TYPE_CHECKING:
     from engine.kv_scales import LayerKVScales
     from engine.model.rope import Rotary
 
-#: The entry points' types this build was compiled against (`NativeEntryPoints.header`).
-ENTRY_POINTS_HEADER = "cpu_impl/csrc/entry_points.h"
-
 __all__ = ["LayerLoop", "build_layer_loop", "loop_problem", "use_loop"]
 
+#: The entry points' types this build was compiled against (`NativeEntryPoints.header`).
+ENTRY_POINTS_HEADER = "cpu_impl/csrc/entry_points.h"
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "layer_loop.cpp"
 ENV = "PK_ENGINE_LAYER_LOOP"
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
