@@ -3,7 +3,9 @@ limit (429 with --max-queue), against one real `python -m engine.serve` subproce
 
 The server runs one sequence at a time (--max-num-seqs 1) with room for one waiting request
 (--max-queue 1), so a third concurrent request is refused. The running request asks for most of
-the model length, so it is still generating when the third one arrives on a slow machine.
+the model length, 4000 tokens (tens of seconds on one thread of a 2-vCPU machine, where 1000
+took 7.6 s), so it is still generating when the third one arrives, however slowly the test
+gets there.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--max-model-len", "1024", "--max-num-seqs", "1", "--max-queue", "1",
+    proc = ServerProcess("--max-model-len", "4096", "--max-num-seqs", "1", "--max-queue", "1",
                          "--num-threads", "1",
-                         "--num-kv-blocks", "64", "--api-key", KEY)
+                         "--num-kv-blocks", "256", "--api-key", KEY)
     proc.start(early_headers=AUTH)
     yield proc
     proc.stop()
@@ -92,7 +94,7 @@ def test_openai_client_with_and_without_key(server):
 
 def test_queue_full_is_429(server, http):
     wait_idle(http)
-    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    body = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.base_url, timeout=300, headers=AUTH) as a, \
             httpx.Client(base_url=server.base_url, timeout=300, headers=AUTH) as b:
         with a.stream("POST", "/v1/completions", json=body) as running:
