@@ -5,7 +5,7 @@ The server runs one sequence at a time (--max-num-seqs 1) with room for one wait
 (--max-queue 1), so a third concurrent request is refused. The running request asks for most of
 the model length, 4000 tokens (tens of seconds on one thread of a 2-vCPU machine, where 1000
 took 7.6 s), so it is still generating when the third one arrives, however slowly the test
-gets there.
+gets there; the test keeps its stream open (and so the request alive) until the end.
 """
 
 from __future__ import annotations
@@ -99,7 +99,9 @@ def test_queue_full_is_429(server, http):
             httpx.Client(base_url=server.base_url, timeout=300, headers=AUTH) as b:
         with a.stream("POST", "/v1/completions", json=body) as running:
             assert running.status_code == 200
-            next(line for line in running.iter_lines() if line)  # A is generating
+            # keep the line iterator: dropping it would close A's stream (and so abort A)
+            lines = running.iter_lines()
+            next(line for line in lines if line)  # A is generating
             with b.stream("POST", "/v1/completions", json=body) as waiting:
                 assert waiting.status_code == 200  # B is accepted and waits
                 deadline = time.monotonic() + 60
