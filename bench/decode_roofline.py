@@ -60,13 +60,22 @@ def context_tokens(plan: Any) -> int:
     return int(seq_lens.sum())
 
 
+def count_matmul(weight: Any, rows: int) -> None:
+    """Adds one matmul's work to WORK: `rows` activation rows times `weight`."""
+    out_features, in_features = weight.shape
+    WORK["matmul_flop"] += 2.0 * rows * out_features * in_features
+    WORK["matmul_bytes"] += weight_bytes(weight, rows)
+
+
+def kv_bytes_per_position(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
+    """The K and V bytes of one position in one layer's caches (all its KV heads)."""
+    return sum(c.shape[1] * c.shape[3] * c.element_size() for c in (key_cache, value_cache))
+
+
 def counting_linear(linear: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def wrapper(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
-        rows = x.shape[0]
-        out_features, in_features = weight.shape
-        WORK["matmul_flop"] += 2.0 * rows * out_features * in_features
-        WORK["matmul_bytes"] += weight_bytes(weight, rows)
+        count_matmul(weight, x.shape[0])
         return linear(x, weight, bias)
     return wrapper
 
@@ -81,9 +90,7 @@ def counting_run(run: Callable[..., Any]) -> Callable[..., Any]:
             if len(tokens) > 8:
                 tokens.clear()
             known = tokens[id(plan)] = (plan, context_tokens(plan))
-        per_token = sum(c.shape[1] * c.shape[3] * c.element_size()
-                        for c in (key_cache, value_cache))
-        WORK["kv_bytes"] += float(known[1] * per_token)
+        WORK["kv_bytes"] += float(known[1] * kv_bytes_per_position(key_cache, value_cache))
         return run(plan, query, key_cache, value_cache, *args, **kwargs)
     return wrapper
 
@@ -95,13 +102,10 @@ def counting_loop(run: Callable[..., Any]) -> Callable[..., Any]:
                 plans: Any, *args: Any) -> Optional[torch.Tensor]:
         out = run(loop, hidden, rotary, kv_caches, plans, *args)
         if out is not None:
-            rows = hidden.shape[0]
             for weight in (w for layer in loop.weights for w in layer):
-                out_features, in_features = weight.shape
-                WORK["matmul_flop"] += 2.0 * rows * out_features * in_features
-                WORK["matmul_bytes"] += weight_bytes(weight, rows)
-            per_token = sum(c.shape[1] * c.shape[3] * c.element_size() for c in kv_caches[0])
-            WORK["kv_bytes"] += float(context_tokens(plans[None]) * per_token * len(kv_caches))
+                count_matmul(weight, hidden.shape[0])
+            per_layer = context_tokens(plans[None]) * kv_bytes_per_position(*kv_caches[0])
+            WORK["kv_bytes"] += float(per_layer * len(kv_caches))
         return out
     return wrapper
 
