@@ -31,6 +31,7 @@
 
 #include "../../cpu_impl/csrc/entry_points.h"
 #include "layer_rows.h"
+#include "rotary_checks.h"
 
 namespace {
 
@@ -211,16 +212,7 @@ class LayerLoop {
     TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.is_contiguous() &&
                 hidden.dim() == 2 && hidden.size(1) == h_,
                 "hidden: expected a contiguous bfloat16 [tokens, ", h_, "] tensor");
-    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-                positions.numel() == T, "positions: expected int64 [", T, "]");
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.dim() == 2 &&
-                cos.size(1) == d_ && sin.sizes() == cos.sizes() && sin.is_contiguous() &&
-                sin.scalar_type() == at::kFloat, "cos/sin: expected float32 [positions, ", d_,
-                "]");
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    for (int64_t t = 0; t < T; ++t)
-      TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "positions: expected values in [0, ",
-                  cos.size(0), "), got ", pos[t]);
+    layer_rows::check_rotary_tables(positions, cos, sin, T, d_);
     TORCH_CHECK(final_norm.scalar_type() == at::kBFloat16 && final_norm.is_contiguous() &&
                 final_norm.numel() == h_, "final_norm: expected bfloat16 [", h_, "]");
     TORCH_CHECK(!times.has_value() || !times->defined() ||

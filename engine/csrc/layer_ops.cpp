@@ -21,6 +21,7 @@
 #include <tuple>
 
 #include "layer_rows.h"
+#include "rotary_checks.h"
 
 namespace {
 
@@ -114,15 +115,8 @@ void rotary(at::Tensor x, int64_t heads, const at::Tensor& positions, const at::
               heads <= x.size(1), "x: expected a CPU [tokens, heads, even head_size] tensor "
               "with a contiguous last dim, got ", x.sizes());
   const int64_t d = x.size(2);
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.dim() == 2 &&
-              cos.size(1) == d && sin.sizes() == cos.sizes() && sin.is_contiguous() &&
-              sin.scalar_type() == at::kFloat, "cos/sin: expected float32 [positions, ", d, "]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-              positions.numel() == x.size(0), "positions: expected int64 [", x.size(0), "]");
+  check_rotary_tables(positions, cos, sin, x.size(0), d);
   const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t t = 0; t < x.size(0); ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "positions: expected values in [0, ",
-                cos.size(0), "), got ", pos[t]);
   PK_DISPATCH(x.scalar_type(),
               rotary_rows<scalar>(ptr<scalar>(x), x.stride(0), x.stride(1), x.size(0), heads, d,
                                   pos, cos.data_ptr<float>(), sin.data_ptr<float>()));
