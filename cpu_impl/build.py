@@ -19,6 +19,7 @@ __all__ = ["SOURCE", "TIERS", "BuildFailed", "compile_flags", "extension_name", 
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
 TIERS = ("avx2 + fma + f16c + avx512 + avx512dq + bf16 + amx",
+         "avx2 + fma + f16c + avx512 + avx512dq + bf16 + vbmi",
          "avx2 + fma + f16c + avx512 + avx512dq + bf16", "avx2 + fma + f16c")
 _PREFIX = "pk_cpu"
 

@@ -40,6 +40,7 @@ ISA: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512dq": (("avx512dq",), ("-mavx512dq",)),
     "bf16": (("avx512_bf16",), ("-mavx512bf16",)),
     "vnni": (("avx512_vnni",), ("-mavx512vnni",)),
+    "vbmi": (("avx512vbmi",), ("-mavx512vbmi",)),
     "amx": (("amx_tile", "amx_bf16"), ("-mamx-tile", "-mamx-bf16")),
 }
 #: The flags of every build: optimised, OpenMP, C++17.

@@ -381,13 +381,14 @@ def kv_scales_for(dtype: torch.dtype, num_kv_heads: int) -> tuple[torch.Tensor, 
     (torch.float8_e4m3fn, torch.float16),
 ])
 def test_8bit_caches_match_the_oracle(cache_dtype, dtype):
-    """Decode (all-KV-heads items) and varlen over 8-bit caches: head size 64 (on AVX-512 BF16
-    with a bf16 query, the vdpbf16ps paths over rows converted to bf16) and 40 (the widened-row
-    paths, SIMD bodies and scalar tails)."""
+    """Decode (all-KV-heads items) and varlen over 8-bit caches: head sizes 64 and 128 (on
+    AVX-512 BF16 with a bf16 query, the vdpbf16ps paths: on VBMI the codes converted straight
+    into their layouts, 4 to 64 rows per KV head; otherwise rows converted to bf16) and 40 (the
+    widened-row paths, SIMD bodies and scalar tails)."""
     from cpu_impl import build
     ext = build.load()
-    for head_size, q_lens in ((64, None), (64, [3, 1, 17, 0]), (40, [2, 1, 17, 0]),
-                              (40, None)):
+    for head_size, q_lens in ((64, None), (64, [3, 1, 17, 0]), (128, [2, 1, 5, 0]),
+                              (40, [2, 1, 17, 0]), (40, None)):
         # Decode: a sequence over two 256-key chunks; varlen: several 16-row query tiles.
         seq_lens = [5, 1, 80, 9] if q_lens else [1, 37, 300, 16, 5]
         c = build_case(seq_lens, q_lens, (8, 2), head_size, 16, dtype, seed=head_size)
@@ -395,6 +396,30 @@ def test_8bit_caches_match_the_oracle(cache_dtype, dtype):
         kc, vc, keys, values = quantized_case(c, cache_dtype, k_scale, v_scale)
         want, _ = attention_oracle(c.query, keys, values, c.q_lens)
         assert rel_err(attend_ext(ext, c, kc, vc, k_scale, v_scale), want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_8BIT)
+def test_8bit_staged_rows_path_of_bf16_builds_without_vbmi(cache_dtype):
+    """AVX-512 BF16 without VBMI (the tier below this CPU's on a VBMI CPU: Cooper Lake, or any
+    CPU on AMX's tier) reads 8-bit codes through bf16 rows staged per unit, not the byte tables
+    of code_lut.h: that build, compiled here, against the oracle at the head sizes the tables
+    would take (decode, and varlen tiles of 4 to 64 rows per KV head)."""
+    from cpu_impl import build
+    from paged_kernels.cpp_build import cpu_flags
+    here = cpu_flags()
+    if not {"avx512_bf16", "avx512vbmi"} <= here:
+        pytest.skip("the default build is this path here, or neither build runs here")
+    flags = build.compile_flags(here - {"avx512vbmi"})
+    assert "-mavx512bf16" in flags and "-mavx512vbmi" not in flags
+    assert "-mavx512vbmi" in build.compile_flags(here)
+    ext = build.load(flags)
+    for head_size, q_lens in ((64, None), (128, [3, 1, 17, 0])):
+        seq_lens = [5, 1, 80, 9] if q_lens else [1, 37, 300, 16, 5]
+        c = build_case(seq_lens, q_lens, (8, 2), head_size, 16, torch.bfloat16, seed=head_size)
+        k_scale, v_scale = kv_scales_for(cache_dtype, 2)
+        kc, vc, keys, values = quantized_case(c, cache_dtype, k_scale, v_scale)
+        want, _ = attention_oracle(c.query, keys, values, c.q_lens)
+        assert rel_err(attend_ext(ext, c, kc, vc, k_scale, v_scale), want) <= TOL[torch.bfloat16]
 
 
 def fp8_codes(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

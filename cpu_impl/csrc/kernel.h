@@ -28,6 +28,7 @@
 
 #include "problem.h"
 #include "simd.h"
+#include "code_lut.h"
 #include "amx.h"
 #include "read_ahead.h"
 #include "line_cursor.h"
@@ -119,7 +120,8 @@ class ItemKernel {
       : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
         g_(p.group()), rh_(static_cast<int>(it.rows) * g_), nh_(it.kv_heads), rows_(rh_ * nh_),
         pairs_(uses_pairs(p)), amx_(pairs_ && rh_ <= 16 && amx_active()),
-        amx_rows_(pairs_ && rh_ > 16 && amx_active()), paced_(paces(p)) {}
+        amx_rows_(pairs_ && rh_ > 16 && amx_active()), lut_(uses_code_lut(p) && !amx_ && !amx_rows_),
+        paced_(paces(p)) {}
 
   // Whether the items run the paced prefetch (plan_reads): the vdpbf16ps path with a distance.
   static bool paces(const Problem& p) { return uses_pairs(p) && p.prefetch_lines > 0; }
@@ -131,6 +133,18 @@ class ItemKernel {
 #if defined(PK_AVX512)
     return std::is_same_v<T, at::BFloat16> &&
            (std::is_same_v<C, at::BFloat16> || is_8bit_cache<C>()) && p.head_size % 32 == 0;
+#else
+    (void)p;
+    return false;
+#endif
+  }
+
+  // Whether an 8-bit cache's codes go straight into the vdpbf16ps layouts (code_lut.h: K
+  // transposed per 16-key unit, V as key pairs) instead of staged bf16 rows: AVX-512 VBMI builds,
+  // d % 64 == 0, and not on AMX (whose tiles take the staged rows).
+  static bool uses_code_lut(const Problem& p) {
+#if defined(PK_CODE_LUT)
+    return is_8bit_cache<C>() && uses_pairs(p) && p.head_size % 64 == 0;
 #else
     (void)p;
     return false;
@@ -352,6 +366,14 @@ class ItemKernel {
   // row pair.
   // Keys [j0, j1) of the chunk; the paths other than dot_scores take the whole chunk (j0 == 0).
   void head_scores(int hh, int j0, int j1, const C* const* krows) {
+#if defined(PK_CODE_LUT)
+    if constexpr (is_8bit_cache<C>() && std::is_same_v<T, at::BFloat16>) {
+      if (lut_) {
+        code_scores(hh * rh_, krows, j0, j1);
+        return;
+      }
+    }
+#endif
     if (pairs_ && dot_scores(hh, bf16_rows(krows, j0, j1), j0, j1)) return;
     assert(j0 == 0);
     const int n = j1;
@@ -442,6 +464,12 @@ class ItemKernel {
       return;
     }
 #endif
+    scores_from_kt(first, j0);
+  }
+
+  // Scores of rows [first, first + rh_) (one KV head) against the 16 keys transposed into sc_.kt,
+  // into slots [j0, j0 + 16): 8 rows at a time, then the rest.
+  void scores_from_kt(int first, int j0) {
     int r0 = first;
     for (; r0 + 8 <= first + rh_; r0 += 8) scores_t<8>(r0, j0);
     switch (first + rh_ - r0) {
@@ -455,6 +483,154 @@ class ItemKernel {
       default: break;
     }
   }
+
+#if defined(PK_CODE_LUT)
+  // An 8-bit cache's scores of rows [first, first + rh_) for keys [j0, j1) of a unit (at most
+  // 16; the pads read the row of zeros): the codes transposed into sc_.kt as bf16 pairs per key
+  // (code_lut.h), then scores_from_kt as for transposed bf16 keys.
+  void code_scores(int first, const C* const* krows, int j0, int j1) {
+    const C* rows[16];
+    for (int k = 0; k < 16; ++k) rows[k] = j0 + k < j1 ? krows[j0 + k] : sc_.zero_row.data();
+    switch (rh_) {  // up to 8 rows: the pairs used as they are converted, nothing staged
+      case 1: code_scores_direct<1>(first, rows, j0); return;
+      case 2: code_scores_direct<2>(first, rows, j0); return;
+      case 3: code_scores_direct<3>(first, rows, j0); return;
+      case 4: code_scores_direct<4>(first, rows, j0); return;
+      case 5: code_scores_direct<5>(first, rows, j0); return;
+      case 6: code_scores_direct<6>(first, rows, j0); return;
+      case 7: code_scores_direct<7>(first, rows, j0); return;
+      case 8: code_scores_direct<8>(first, rows, j0); return;
+      default: break;
+    }
+    __m512i* kt = reinterpret_cast<__m512i*>(sc_.kt.data());
+    const CodeLut& lut = code_lut<C>();
+    for (int x = 0; x < d_; x += 64)
+      code_keys_transposed(rows, x, lut, [&](int c, const __m512i* pair) {
+        _mm512_store_si512(kt + x / 2 + c, pair[0]);
+        _mm512_store_si512(kt + x / 2 + c + 1, pair[1]);
+      });
+    scores_from_kt(first, j0);
+  }
+
+  // code_scores for R <= 8 rows from `first` (all of the KV head's): the scores_t arithmetic
+  // (two accumulators per row, even and odd key pairs), fed by the conversion directly.
+  template <int R>
+  void code_scores_direct(int first, const C* const* rows, int j0) {
+    const at::BFloat16* q = &sc_.qraw[first * d_];
+    const CodeLut& lut = code_lut<C>();
+    __m512 acc[2][R];
+    for (int i = 0; i < R; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+    for (int x = 0; x < d_; x += 64)
+      code_keys_transposed(rows, x, lut, [&](int c, const __m512i* pair) {
+        for (int e = 0; e < 2; ++e)
+          for (int i = 0; i < R; ++i) {
+            uint32_t qp;
+            std::memcpy(&qp, q + i * d_ + x + 2 * (c + e), sizeof qp);
+            acc[e][i] = _mm512_dpbf16_ps(acc[e][i], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp)),
+                                         (__m512bh)pair[e]);
+          }
+      });
+    const __m512 scale = _mm512_set1_ps(p_.scale * kv_scale(p_.k_scale, first));  // one KV head
+    for (int i = 0; i < R; ++i)
+      _mm512_storeu_ps(&sc_.scores[(first + i) * KEY_CHUNK + j0],
+                       _mm512_mul_ps(_mm512_add_ps(acc[0][i], acc[1][i]), scale));
+  }
+
+  // An 8-bit cache's P.V for keys [j0, j1) of a unit (at most 16): the V codes as bf16 key
+  // pairs into sc_.vt once (code_value_pairs; a pad key reads the row of zeros, its weight is
+  // 0), then acc[r] += w[r][j] V[j] for every row of KV head hh, up to 4 rows at a time.
+  void code_values(int hh, int j0, int j1, const C* const* vrows) {
+    const int first = hh * rh_;
+    if (rh_ <= 4) {  // one group of rows: the pairs straight from the codes, nothing staged
+      switch (rh_) {
+        case 4: code_pairs_direct<4>(first, j0, j1, vrows); break;
+        case 3: code_pairs_direct<3>(first, j0, j1, vrows); break;
+        case 2: code_pairs_direct<2>(first, j0, j1, vrows); break;
+        default: code_pairs_direct<1>(first, j0, j1, vrows); break;
+      }
+      return;
+    }
+    __m512i* vt = reinterpret_cast<__m512i*>(sc_.vt.data());
+    const CodeLut& lut = code_lut<C>();
+    const int pairs = (j1 - j0 + 1) / 2;
+    for (int kp = 0; kp < pairs; ++kp) {
+      const int j = j0 + 2 * kp;
+      const C* v1 = j + 1 < j1 ? vrows[j + 1] : sc_.zero_row.data();
+      for (int x = 0; x < d_; x += 64)
+        code_value_pairs(vrows[j] + x, v1 + x, lut, vt + ((x / 64) * 8 + kp) * 4);
+    }
+    for (int r0 = first; r0 < first + rh_; r0 += 4)
+      switch (std::min(4, first + rh_ - r0)) {
+        case 4: code_pairs_rows<4>(r0, j0, pairs); break;
+        case 3: code_pairs_rows<3>(r0, j0, pairs); break;
+        case 2: code_pairs_rows<2>(r0, j0, pairs); break;
+        default: code_pairs_rows<1>(r0, j0, pairs); break;
+      }
+  }
+
+  // acc[r] += the unit's weighted V pairs staged in sc_.vt, for NR rows from r0: per 64 columns,
+  // NR x 4 accumulators in registers over the key pairs.
+  template <int NR>
+  void code_pairs_rows(int r0, int j0, int pairs) {
+    const uint16_t* w = &sc_.wb[r0 * KEY_CHUNK + j0];
+    float* acc = &sc_.acc[r0 * d_];
+    const __m512i* vt = reinterpret_cast<const __m512i*>(sc_.vt.data());
+    for (int x = 0; x < d_; x += 64) {
+      __m512 a[NR][4];
+      for (int i = 0; i < NR; ++i)
+        for (int u = 0; u < 4; ++u) a[i][u] = _mm512_loadu_ps(acc + i * d_ + x + 16 * u);
+      const __m512i* v = vt + (x / 64) * 8 * 4;
+      for (int kp = 0; kp < pairs; ++kp)
+        for (int i = 0; i < NR; ++i) {
+          uint32_t pair;
+          std::memcpy(&pair, w + i * KEY_CHUNK + 2 * kp, sizeof pair);
+          const __m512bh wi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          for (int u = 0; u < 4; ++u)
+            a[i][u] = _mm512_dpbf16_ps(a[i][u], wi, (__m512bh)_mm512_load_si512(v + kp * 4 + u));
+        }
+      for (int i = 0; i < NR; ++i)
+        for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + i * d_ + x + 16 * u, a[i][u]);
+    }
+  }
+
+  // code_values for NR <= 4 rows from r0 (all of the KV head's): per 64 columns, each key pair's
+  // V codes converted in registers and used at once.
+  template <int NR>
+  void code_pairs_direct(int r0, int j0, int j1, const C* const* vrows) {
+    const uint16_t* w = &sc_.wb[r0 * KEY_CHUNK + j0];
+    float* acc = &sc_.acc[r0 * d_];
+    const CodeLut& lut = code_lut<C>();
+    const C* zero = sc_.zero_row.data();
+    for (int x = 0; x < d_; x += 64) {
+      __m512 a[NR][4];
+      for (int i = 0; i < NR; ++i)
+        for (int u = 0; u < 4; ++u) a[i][u] = _mm512_loadu_ps(acc + i * d_ + x + 16 * u);
+      for (int j = j0; j < j1; j += 2) {
+        __m512i v[4];
+        code_value_pairs(vrows[j] + x, (j + 1 < j1 ? vrows[j + 1] : zero) + x, lut, v);
+        for (int i = 0; i < NR; ++i) {
+          uint32_t pair;
+          std::memcpy(&pair, w + i * KEY_CHUNK + (j - j0), sizeof pair);
+          const __m512bh wi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          for (int u = 0; u < 4; ++u) a[i][u] = _mm512_dpbf16_ps(a[i][u], wi, (__m512bh)v[u]);
+        }
+      }
+      for (int i = 0; i < NR; ++i)
+        for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + i * d_ + x + 16 * u, a[i][u]);
+    }
+  }
+
+  // Row r's accumulator from code_column order (lane 4L + i of the u-th 16 floats of each 64
+  // holds column 16L + 4u + i) back into column order, in place: a lane transpose per 64.
+  void code_columns_in_order(float* a) const {
+    for (int x = 0; x < d_; x += 64) {
+      __m512i v[4];
+      for (int u = 0; u < 4; ++u) v[u] = _mm512_castps_si512(_mm512_loadu_ps(a + x + 16 * u));
+      transpose_lanes4(v);
+      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(a + x + 16 * u, _mm512_castsi512_ps(v[u]));
+    }
+  }
+#endif
 
   // out[c] = the 32-bit column c (bf16 elements x + 2c, x + 2c + 1) of rows[0..16), c < 16: a
   // 16 x 16 transpose of 32-bit elements (pairs within 128-bit lanes, then 64-bit pairs, then
@@ -773,6 +949,14 @@ class ItemKernel {
 #if defined(PK_AVX512)
     if constexpr (std::is_same_v<T, at::BFloat16> &&
                   (std::is_same_v<C, at::BFloat16> || is_8bit_cache<C>())) {
+#if defined(PK_CODE_LUT)
+      if constexpr (is_8bit_cache<C>()) {
+        if (lut_) {
+          code_values(hh, j0, j1, vrows);
+          return;
+        }
+      }
+#endif
       if (pairs_) {
         const at::BFloat16* const* rows = bf16_rows(vrows, j0, j1);
 #if defined(PK_AMX)
@@ -969,9 +1153,12 @@ class ItemKernel {
       T* dst = out_ + token(r) * p_.o_s0 + head(r) * p_.o_s1;
       // No visible key (invalid input): 0. The value scale multiplies the weighted sum.
       const float inv = sc_.l[r] > 0.f ? kv_scale(p_.v_scale, r) / sc_.l[r] : 0.f;
-      const float* a = &sc_.acc[r * d_];
+      float* a = &sc_.acc[r * d_];
+#if defined(PK_CODE_LUT)
+      if (lut_) code_columns_in_order(a);
+#endif
       if (pairs_)
-        store_pairs_row(dst, a, inv, !amx_rows_);
+        store_pairs_row(dst, a, inv, !amx_rows_ && !lut_);
       else
         for (int i = 0; i < d_; ++i) dst[i] = from_float<T>(a[i] * inv);
       if (p_.lse != nullptr)
@@ -992,6 +1179,8 @@ class ItemKernel {
   const bool amx_;    // Q.K^T of whole 16-key units on AMX tiles (amx_scores)
   const bool amx_rows_;  // more than 16 rows per KV head: Q.K^T and P.V on AMX, 16 rows per tile
                          // (amx_row_scores, amx_row_values; acc in column order)
+  const bool lut_;  // an 8-bit cache read through code_lut.h (uses_code_lut); acc in code_column
+                    // order
   const bool paced_;     // the paced prefetch (plan_reads) requests the K/V
 };
 
