@@ -1,0 +1,71 @@
+"""In-process A/B of cpu-backend builds on the 8-bit decode shape of bench/kv_quant_speed.py.
+
+    python builds_ab.py THREADS ROUNDS SO_A SO_B [SO_C ...]
+
+Loads each compiled extension (a path under ~/.cache/torch_extensions) as its own module, runs
+the decode call of every build in turns on the same query, caches and scales (16 sequences x
+4096 tokens, 32 query heads over 8 KV heads, block size 16, bfloat16 query, caches in huge pages
+as the engine allocates them, the backend's default paced prefetch), per head size and cache
+dtype, and prints each build's median and minimum ms per call and whether the outputs of the
+builds are equal. (The 2026-12-03 script of the same name predates the prefetch argument.)"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+import cpu_impl.backend as cpu_backend
+from bench.build_ab import load_extension as load
+from bench.kv_quant_speed import placed, quantized_caches
+from bench.shapes import make_mixed
+
+CACHES = {"bfloat16": None, "float8_e4m3fn": torch.float8_e4m3fn,
+          "float8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+
+
+def time_builds(exts: list, p, caches: tuple, threads: int, rounds: int
+                ) -> tuple[list[list[float]], bool]:
+    """Seconds per call of each build over `rounds` turns, and whether their outputs are equal.
+    `caches` = (key_cache, value_cache, k_scale, v_scale)."""
+    k, v, ks, vs = caches
+    head_size = p.query.shape[-1]
+    outs = [torch.empty_like(p.query) for _ in exts]
+
+    def call(i: int) -> None:
+        exts[i].paged_attention(
+            p.query, k, v, p.block_tables.contiguous(), p.seq_lens.contiguous(), None, outs[i],
+            None, None, head_size ** -0.5, 0, 0.0, cpu_backend.QUERY_TILE, threads,
+            cpu_backend.read_ahead, ks, vs, cpu_backend.PREFETCH_LINES)
+
+    times: list[list[float]] = [[] for _ in exts]
+    for i in range(len(exts)):
+        call(i)
+    for _ in range(rounds):
+        for i in range(len(exts)):
+            t0 = time.perf_counter()
+            call(i)
+            times[i].append(time.perf_counter() - t0)
+    return times, all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def main() -> None:
+    threads, rounds = int(sys.argv[1]), int(sys.argv[2])
+    exts = [load(path) for path in sys.argv[3:]]
+    torch.set_num_threads(threads)
+    for head_size in (64, 128):
+        p = make_mixed([4096] * 16, [1] * 16, head_size=head_size, dtype=torch.bfloat16)
+        for cache, dtype in CACHES.items():
+            caches = ((placed(p.key_cache, "huge"), placed(p.value_cache, "huge"), None, None)
+                      if dtype is None
+                      else quantized_caches(p, dtype, "huge"))
+            times, same = time_builds(exts, p, caches, threads, rounds)
+            cells = "  ".join(f"build{i} {statistics.median(t) * 1e3:6.2f} / {min(t) * 1e3:6.2f}"
+                              for i, t in enumerate(times))
+            print(f"d{head_size} {cache:14s} {cells}  equal={same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
