@@ -11,7 +11,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -133,3 +133,32 @@ def packed_tiles(n: int, k: int, qtype: str, kernel: str = "tiled") -> torch.Ten
     scales = torch.rand(blocks.shape[0], (tb - SCALES_AT[qtype]) // 2) * 0.01
     blocks[:, SCALES_AT[qtype]:] = scales.to(torch.float16).view(torch.uint8)
     return w
+
+
+def cpu_decode_builds_in_turns(exts: Sequence[ModuleType], p: Any, caches: tuple, threads: int,
+                               rounds: int, prefetch_lines: Optional[int] = None
+                               ) -> tuple[list[list[float]], bool]:
+    """Seconds per decode call of each cpu-backend build in `exts` over `rounds` turns (after one
+    call each), with the backend's query tile and read-ahead and `prefetch_lines` (None: the
+    backend's default paced prefetch), and whether their outputs are equal. `p`: a bench.shapes
+    problem; `caches`: (key_cache, value_cache, k_scale, v_scale)."""
+    import cpu_impl.backend as cpu_backend
+    k, v, ks, vs = caches
+    outs = [torch.empty_like(p.query) for _ in exts]
+    lines = cpu_backend.PREFETCH_LINES if prefetch_lines is None else prefetch_lines
+
+    def call(i: int) -> None:
+        exts[i].paged_attention(
+            p.query, k, v, p.block_tables.contiguous(), p.seq_lens.contiguous(), None, outs[i],
+            None, None, p.query.shape[-1] ** -0.5, 0, 0.0, cpu_backend.QUERY_TILE, threads,
+            cpu_backend.read_ahead, ks, vs, lines)
+
+    times: list[list[float]] = [[] for _ in exts]
+    for i in range(len(exts)):
+        call(i)
+    for _ in range(rounds):
+        for i in range(len(exts)):
+            t0 = time.perf_counter()
+            call(i)
+            times[i].append(time.perf_counter() - t0)
+    return times, all(torch.equal(outs[0], o) for o in outs[1:])

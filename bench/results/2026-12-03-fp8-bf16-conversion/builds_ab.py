@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 
-import cpu_impl.backend as cpu_backend
-from bench.build_ab import load_extension as load
+from bench.build_ab import cpu_decode_builds_in_turns, load_extension as load
 from bench.kv_quant_speed import quantized_caches
 from bench.shapes import make_mixed
 
@@ -28,26 +26,9 @@ CACHES = {"bfloat16": None, "float8_e4m3fn": torch.float8_e4m3fn,
 def time_builds(exts: list, p, caches: tuple, threads: int, rounds: int
                 ) -> tuple[list[list[float]], bool]:
     """Seconds per call of each build over `rounds` turns, and whether their outputs are equal.
-    `caches` = (key_cache, value_cache, k_scale, v_scale)."""
-    k, v, ks, vs = caches
-    head_size = p.query.shape[-1]
-    outs = [torch.empty_like(p.query) for _ in exts]
-
-    def call(i: int) -> None:
-        exts[i].paged_attention(
-            p.query, k, v, p.block_tables.contiguous(), p.seq_lens.contiguous(), None, outs[i],
-            None, None, head_size ** -0.5, 0, 0.0, cpu_backend.QUERY_TILE, threads,
-            cpu_backend.read_ahead, ks, vs)
-
-    times: list[list[float]] = [[] for _ in exts]
-    for i in range(len(exts)):
-        call(i)
-    for _ in range(rounds):
-        for i in range(len(exts)):
-            t0 = time.perf_counter()
-            call(i)
-            times[i].append(time.perf_counter() - t0)
-    return times, all(torch.equal(outs[0], o) for o in outs[1:])
+    `caches` = (key_cache, value_cache, k_scale, v_scale). No paced prefetch: the builds of this
+    run predate it."""
+    return cpu_decode_builds_in_turns(exts, p, caches, threads, rounds, prefetch_lines=0)
 
 
 def main() -> None:

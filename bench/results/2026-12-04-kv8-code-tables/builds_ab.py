@@ -11,60 +11,42 @@ builds are equal. (The 2026-12-03 script of the same name predates the prefetch 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
-import time
 
 import torch
 
-import cpu_impl.backend as cpu_backend
-from bench.build_ab import load_extension as load
-from bench.kv_quant_speed import placed, quantized_caches
+from bench.build_ab import cpu_decode_builds_in_turns, load_extension as load
+from bench.kv_quant_speed import CACHE_DTYPES, placed, quantized_caches
 from bench.shapes import make_mixed
 
-CACHES = {"bfloat16": None, "float8_e4m3fn": torch.float8_e4m3fn,
-          "float8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+#: The caches timed, by name: None for bfloat16, else the 8-bit dtype written by write_kv.
+CACHES = {"bfloat16": None, **{str(d).removeprefix("torch."): d for d in CACHE_DTYPES}}
 
 
-def time_builds(exts: list, p, caches: tuple, threads: int, rounds: int
-                ) -> tuple[list[list[float]], bool]:
-    """Seconds per call of each build over `rounds` turns, and whether their outputs are equal.
-    `caches` = (key_cache, value_cache, k_scale, v_scale)."""
-    k, v, ks, vs = caches
-    head_size = p.query.shape[-1]
-    outs = [torch.empty_like(p.query) for _ in exts]
+def huge_caches(p, dtype) -> tuple:
+    """(key_cache, value_cache, k_scale, v_scale) of `p` in huge pages, as `dtype` (None: bf16)."""
+    if dtype is None:
+        return placed(p.key_cache, "huge"), placed(p.value_cache, "huge"), None, None
+    return quantized_caches(p, dtype, "huge")
 
-    def call(i: int) -> None:
-        exts[i].paged_attention(
-            p.query, k, v, p.block_tables.contiguous(), p.seq_lens.contiguous(), None, outs[i],
-            None, None, head_size ** -0.5, 0, 0.0, cpu_backend.QUERY_TILE, threads,
-            cpu_backend.read_ahead, ks, vs, cpu_backend.PREFETCH_LINES)
 
-    times: list[list[float]] = [[] for _ in exts]
-    for i in range(len(exts)):
-        call(i)
-    for _ in range(rounds):
-        for i in range(len(exts)):
-            t0 = time.perf_counter()
-            call(i)
-            times[i].append(time.perf_counter() - t0)
-    return times, all(torch.equal(outs[0], o) for o in outs[1:])
+def cell(t: list[float]) -> str:
+    """Median / minimum ms of the calls `t` (seconds)."""
+    return f"{statistics.median(t) * 1e3:6.2f} / {min(t) * 1e3:6.2f}"
 
 
 def main() -> None:
     threads, rounds = int(sys.argv[1]), int(sys.argv[2])
     exts = [load(path) for path in sys.argv[3:]]
     torch.set_num_threads(threads)
-    for head_size in (64, 128):
-        p = make_mixed([4096] * 16, [1] * 16, head_size=head_size, dtype=torch.bfloat16)
-        for cache, dtype in CACHES.items():
-            caches = ((placed(p.key_cache, "huge"), placed(p.value_cache, "huge"), None, None)
-                      if dtype is None
-                      else quantized_caches(p, dtype, "huge"))
-            times, same = time_builds(exts, p, caches, threads, rounds)
-            cells = "  ".join(f"build{i} {statistics.median(t) * 1e3:6.2f} / {min(t) * 1e3:6.2f}"
-                              for i, t in enumerate(times))
-            print(f"d{head_size} {cache:14s} {cells}  equal={same}", flush=True)
+    problems = {d: make_mixed([4096] * 16, [1] * 16, head_size=d, dtype=torch.bfloat16)
+                for d in (64, 128)}
+    for (head_size, p), (name, dtype) in itertools.product(problems.items(), CACHES.items()):
+        times, same = cpu_decode_builds_in_turns(exts, p, huge_caches(p, dtype), threads, rounds)
+        builds = "  ".join(f"build{i} {cell(t)}" for i, t in enumerate(times))
+        print(f"d{head_size} {name:14s} {builds}  equal={same}", flush=True)
 
 
 if __name__ == "__main__":
