@@ -381,13 +381,15 @@ def kv_scales_for(dtype: torch.dtype, num_kv_heads: int) -> tuple[torch.Tensor, 
     (torch.float8_e4m3fn, torch.float16),
 ])
 def test_8bit_caches_match_the_oracle(cache_dtype, dtype):
-    """Decode (all-KV-heads items) and varlen over 8-bit caches: head sizes 64 and 128 (on
-    AVX-512 BF16 with a bf16 query, the vdpbf16ps paths: on VBMI the codes converted straight
-    into their layouts, 4 to 64 rows per KV head; otherwise rows converted to bf16) and 40 (the
-    widened-row paths, SIMD bodies and scalar tails)."""
+    """Decode (all-KV-heads items) and varlen over 8-bit caches: head sizes 64, 128, 96 and 32
+    (on AVX-512 BF16 with a bf16 query, the vdpbf16ps paths: on VBMI the codes converted
+    straight into their layouts where the head size is a multiple of 64, 4 to 64 rows per KV
+    head; otherwise rows converted to bf16) and 40 (the widened-row paths, SIMD bodies and
+    scalar tails)."""
     from cpu_impl import build
     ext = build.load()
     for head_size, q_lens in ((64, None), (64, [3, 1, 17, 0]), (128, [2, 1, 5, 0]),
+                              (96, None), (96, [2, 1, 17, 0]), (32, None), (32, [3, 1, 5, 0]),
                               (40, [2, 1, 17, 0]), (40, None)):
         # Decode: a sequence over two 256-key chunks; varlen: several 16-row query tiles.
         seq_lens = [5, 1, 80, 9] if q_lens else [1, 37, 300, 16, 5]
@@ -413,7 +415,7 @@ def test_8bit_staged_rows_path_of_bf16_builds_without_vbmi(cache_dtype):
     assert "-mavx512bf16" in flags and "-mavx512vbmi" not in flags
     assert "-mavx512vbmi" in build.compile_flags(here)
     ext = build.load(flags)
-    for head_size, q_lens in ((64, None), (128, [3, 1, 17, 0])):
+    for head_size, q_lens in ((64, None), (128, [3, 1, 17, 0]), (96, [2, 1, 5, 0])):
         seq_lens = [5, 1, 80, 9] if q_lens else [1, 37, 300, 16, 5]
         c = build_case(seq_lens, q_lens, (8, 2), head_size, 16, torch.bfloat16, seed=head_size)
         k_scale, v_scale = kv_scales_for(cache_dtype, 2)
