@@ -56,13 +56,13 @@ class LineCursor {
     while (n > 0 && next_ < ranges_.size()) {
       const auto [first, end] = ranges_[next_];
       if (line_ < first) line_ = first;
-      const int64_t m = std::min<int64_t>(n, static_cast<int64_t>((end - line_) / LINE));
-      for (int64_t i = 0; i < m; ++i)
-        __builtin_prefetch(reinterpret_cast<const void*>(line_ + i * LINE), 0,
-                           PK_PREFETCH_LOCALITY);
-      if (prefetch_log_on) log(line_, m);
-      line_ += m * LINE;
-      n -= m;
+      for (; n > 0 && line_ < end; --n, line_ += LINE) {
+        __builtin_prefetch(reinterpret_cast<const void*>(line_), 0, PK_PREFETCH_LOCALITY);
+        if (prefetch_log_on) {
+          std::lock_guard<std::mutex> lock(prefetch_log_mutex);
+          prefetch_log.push_back(line_);
+        }
+      }
       if (line_ >= end) {
         ++next_;
         line_ = 0;
@@ -71,12 +71,6 @@ class LineCursor {
   }
 
  private:
-  // Appends the m lines from `line` to prefetch_log.
-  static void log(uintptr_t line, int64_t m) {
-    std::lock_guard<std::mutex> lock(prefetch_log_mutex);
-    for (int64_t i = 0; i < m; ++i) prefetch_log.push_back(line + i * LINE);
-  }
-
   std::vector<std::pair<uintptr_t, uintptr_t>> ranges_;  // [first line, end), in read order
   size_t next_ = 0;                                       // the range being requested
   uintptr_t line_ = 0;                                    // its next line (0: its first)
