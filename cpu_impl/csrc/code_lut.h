@@ -119,7 +119,7 @@ PK_INLINE void code_keys_transposed(const C* const* rows, int x, const CodeLut& 
 }
 
 // The V codes of keys v0 and v1, elements [0, 64), as bf16 pairs (v0[e], v1[e]): out[u] lane
-// 4L + i holds element 16L + 4u + i (code_column gives the element of accumulator lane j).
+// 4L + i holds element 16L + 4u + i.
 template <typename C>
 PK_INLINE void code_value_pairs(const C* v0, const C* v1, const CodeLut& t, __m512i* out) {
   const __m512i a = _mm512_loadu_si512(v0), b = _mm512_loadu_si512(v1);

@@ -530,10 +530,7 @@ class ItemKernel {
                                          (__m512bh)pair[e]);
           }
       });
-    const __m512 scale = _mm512_set1_ps(p_.scale * kv_scale(p_.k_scale, first));  // one KV head
-    for (int i = 0; i < R; ++i)
-      _mm512_storeu_ps(&sc_.scores[(first + i) * KEY_CHUNK + j0],
-                       _mm512_mul_ps(_mm512_add_ps(acc[0][i], acc[1][i]), scale));
+    store_unit_scores<R>(first, j0, acc);
   }
 
   // An 8-bit cache's P.V for keys [j0, j1) of a unit (at most 16): the V codes as bf16 key
@@ -568,60 +565,57 @@ class ItemKernel {
       }
   }
 
-  // acc[r] += the unit's weighted V pairs staged in sc_.vt, for NR rows from r0: per 64 columns,
-  // NR x 4 accumulators in registers over the key pairs.
+  // acc[r] += the unit's weighted V pairs staged in sc_.vt, for NR rows from r0.
   template <int NR>
   void code_pairs_rows(int r0, int j0, int pairs) {
-    const uint16_t* w = &sc_.wb[r0 * KEY_CHUNK + j0];
-    float* acc = &sc_.acc[r0 * d_];
     const __m512i* vt = reinterpret_cast<const __m512i*>(sc_.vt.data());
     for (int x = 0; x < d_; x += 64) {
-      __m512 a[NR][4];
-      for (int i = 0; i < NR; ++i)
-        for (int u = 0; u < 4; ++u) a[i][u] = _mm512_loadu_ps(acc + i * d_ + x + 16 * u);
       const __m512i* v = vt + (x / 64) * 8 * 4;
-      for (int kp = 0; kp < pairs; ++kp)
-        for (int i = 0; i < NR; ++i) {
-          uint32_t pair;
-          std::memcpy(&pair, w + i * KEY_CHUNK + 2 * kp, sizeof pair);
-          const __m512bh wi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-          for (int u = 0; u < 4; ++u)
-            a[i][u] = _mm512_dpbf16_ps(a[i][u], wi, (__m512bh)_mm512_load_si512(v + kp * 4 + u));
-        }
-      for (int i = 0; i < NR; ++i)
-        for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + i * d_ + x + 16 * u, a[i][u]);
+      code_pairs_slice<NR>(r0, j0, x, pairs, [v](int kp) { return v + kp * 4; });
     }
   }
 
-  // code_values for NR <= 4 rows from r0 (all of the KV head's): per 64 columns, each key pair's
-  // V codes converted in registers and used at once.
+  // code_values for NR <= 4 rows from r0 (all of the KV head's): each key pair's V codes
+  // converted in registers and used at once.
   template <int NR>
   void code_pairs_direct(int r0, int j0, int j1, const C* const* vrows) {
-    const uint16_t* w = &sc_.wb[r0 * KEY_CHUNK + j0];
-    float* acc = &sc_.acc[r0 * d_];
     const CodeLut& lut = code_lut<C>();
     const C* zero = sc_.zero_row.data();
     for (int x = 0; x < d_; x += 64) {
-      __m512 a[NR][4];
-      for (int i = 0; i < NR; ++i)
-        for (int u = 0; u < 4; ++u) a[i][u] = _mm512_loadu_ps(acc + i * d_ + x + 16 * u);
-      for (int j = j0; j < j1; j += 2) {
-        __m512i v[4];
+      __m512i v[4];
+      code_pairs_slice<NR>(r0, j0, x, (j1 - j0 + 1) / 2, [&](int kp) {
+        const int j = j0 + 2 * kp;
         code_value_pairs(vrows[j] + x, (j + 1 < j1 ? vrows[j + 1] : zero) + x, lut, v);
-        for (int i = 0; i < NR; ++i) {
-          uint32_t pair;
-          std::memcpy(&pair, w + i * KEY_CHUNK + (j - j0), sizeof pair);
-          const __m512bh wi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-          for (int u = 0; u < 4; ++u) a[i][u] = _mm512_dpbf16_ps(a[i][u], wi, (__m512bh)v[u]);
-        }
-      }
-      for (int i = 0; i < NR; ++i)
-        for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + i * d_ + x + 16 * u, a[i][u]);
+        return static_cast<const __m512i*>(v);
+      });
     }
   }
 
-  // Row r's accumulator from code_column order (lane 4L + i of the u-th 16 floats of each 64
-  // holds column 16L + 4u + i) back into column order, in place: a lane transpose per 64.
+  // Columns [x, x + 64) of the accumulators of NR rows from r0 += the sum over key pairs
+  // kp < pairs of each row's weight pair (keys j0 + 2kp, + 1) times the V pairs pairs_of(kp)[u],
+  // u < 4 (code_value_pairs' layout): NR x 4 accumulators in registers over the key pairs.
+  template <int NR, typename F>
+  PK_INLINE void code_pairs_slice(int r0, int j0, int x, int pairs, F&& pairs_of) {
+    const uint16_t* w = &sc_.wb[r0 * KEY_CHUNK + j0];
+    float* acc = &sc_.acc[r0 * d_ + x];
+    __m512 a[NR][4];
+    for (int i = 0; i < NR; ++i)
+      for (int u = 0; u < 4; ++u) a[i][u] = _mm512_loadu_ps(acc + i * d_ + 16 * u);
+    for (int kp = 0; kp < pairs; ++kp) {
+      const __m512i* v = pairs_of(kp);
+      for (int i = 0; i < NR; ++i) {
+        uint32_t pair;
+        std::memcpy(&pair, w + i * KEY_CHUNK + 2 * kp, sizeof pair);
+        const __m512bh wi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int u = 0; u < 4; ++u) a[i][u] = _mm512_dpbf16_ps(a[i][u], wi, (__m512bh)v[u]);
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + i * d_ + 16 * u, a[i][u]);
+  }
+
+  // Row r's accumulator from code_value_pairs' order (lane 4L + i of the u-th 16 floats of each
+  // 64 holds column 16L + 4u + i) back into column order, in place: a lane transpose per 64.
   void code_columns_in_order(float* a) const {
     for (int x = 0; x < d_; x += 64) {
       __m512i v[4];
@@ -678,6 +672,13 @@ class ItemKernel {
           acc[e][i] = _mm512_dpbf16_ps(acc[e][i], qp, k);
         }
       }
+    store_unit_scores<R>(r0, j0, acc);
+  }
+
+  // The scores of R rows from r0 (one KV head) for the 16 keys from j0: the even and odd pair
+  // accumulators added, times the score scale and the head's key scale, into slots [j0, j0 + 16).
+  template <int R>
+  PK_INLINE void store_unit_scores(int r0, int j0, const __m512 (&acc)[2][R]) {
     const __m512 scale = _mm512_set1_ps(p_.scale * kv_scale(p_.k_scale, r0));  // one KV head
     for (int i = 0; i < R; ++i)
       _mm512_storeu_ps(&sc_.scores[(r0 + i) * KEY_CHUNK + j0],
@@ -1179,8 +1180,8 @@ class ItemKernel {
   const bool amx_;    // Q.K^T of whole 16-key units on AMX tiles (amx_scores)
   const bool amx_rows_;  // more than 16 rows per KV head: Q.K^T and P.V on AMX, 16 rows per tile
                          // (amx_row_scores, amx_row_values; acc in column order)
-  const bool lut_;  // an 8-bit cache read through code_lut.h (uses_code_lut); acc in code_column
-                    // order
+  const bool lut_;  // an 8-bit cache read through code_lut.h (uses_code_lut); acc in
+                    // code_value_pairs' column order
   const bool paced_;     // the paced prefetch (plan_reads) requests the K/V
 };
 
