@@ -120,8 +120,8 @@ class ItemKernel {
       : p_(p), q_(q), k_(k), v_(v), out_(out), it_(it), sc_(sc), d_(static_cast<int>(p.head_size)),
         g_(p.group()), rh_(static_cast<int>(it.rows) * g_), nh_(it.kv_heads), rows_(rh_ * nh_),
         pairs_(uses_pairs(p)), amx_(pairs_ && rh_ <= 16 && amx_active()),
-        amx_rows_(pairs_ && rh_ > 16 && amx_active()), lut_(uses_code_lut(p) && !amx_ && !amx_rows_),
-        paced_(paces(p)) {}
+        amx_rows_(pairs_ && rh_ > 16 && amx_active()),
+        lut_(uses_code_lut(p) && !amx_ && !amx_rows_), paced_(paces(p)) {}
 
   // Whether the items run the paced prefetch (plan_reads): the vdpbf16ps path with a distance.
   static bool paces(const Problem& p) { return uses_pairs(p) && p.prefetch_lines > 0; }
@@ -526,8 +526,8 @@ class ItemKernel {
           for (int i = 0; i < R; ++i) {
             uint32_t qp;
             std::memcpy(&qp, q + i * d_ + x + 2 * (c + e), sizeof qp);
-            acc[e][i] = _mm512_dpbf16_ps(acc[e][i], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp)),
-                                         (__m512bh)pair[e]);
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp));
+            acc[e][i] = _mm512_dpbf16_ps(acc[e][i], qb, (__m512bh)pair[e]);
           }
       });
     store_unit_scores<R>(first, j0, acc);

@@ -124,9 +124,10 @@ class LayerLoop {
   // updated in place), rotary `positions` int64 [T] into float32 `cos`/`sin` [P, head_size],
   // `caches` the layers' (key, value) caches in order, the attention metadata as the cpu backend
   // takes it, with its `paged_attention` and `write_kv` by address (`attention_fn`,
-  // `write_kv_fn`: entry_points.h's types); `scales` the layers' (k_scale, v_scale) in order for an 8-bit cache (empty for a
-  // float one; the cpu backend checks each); `times`, when given, gets each part's seconds
-  // added (Clock). Returns rms_norm(residual + last hidden) * final_norm, [T, hidden].
+  // `write_kv_fn`: entry_points.h's types); `scales` the layers' (k_scale, v_scale) in order
+  // for an 8-bit cache (empty for a float one; the cpu backend checks each); `times`, when
+  // given, gets each part's seconds added (Clock). Returns rms_norm(residual + last hidden) *
+  // final_norm, [T, hidden].
   at::Tensor run(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& cos,
                  const at::Tensor& sin, const std::vector<at::Tensor>& caches,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
