@@ -505,9 +505,9 @@ class ItemKernel {
     __m512i* kt = reinterpret_cast<__m512i*>(sc_.kt.data());
     const CodeLut& lut = code_lut<C>();
     for (int x = 0; x < d_; x += 64)
-      code_keys_transposed(rows, x, lut, [&](int c, const __m512i* pair) {
-        _mm512_store_si512(kt + x / 2 + c, pair[0]);
-        _mm512_store_si512(kt + x / 2 + c + 1, pair[1]);
+      code_keys_transposed(rows, x, lut, [&](int c0, const __m512i (&pairs)[4][2]) {
+        for (int l = 0; l < 4; ++l)
+          for (int e = 0; e < 2; ++e) _mm512_store_si512(kt + x / 2 + 8 * l + c0 + e, pairs[l][e]);
       });
     scores_from_kt(first, j0);
   }
@@ -521,14 +521,15 @@ class ItemKernel {
     __m512 acc[2][R];
     for (int i = 0; i < R; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
     for (int x = 0; x < d_; x += 64)
-      code_keys_transposed(rows, x, lut, [&](int c, const __m512i* pair) {
-        for (int e = 0; e < 2; ++e)
-          for (int i = 0; i < R; ++i) {
-            uint32_t qp;
-            std::memcpy(&qp, q + i * d_ + x + 2 * (c + e), sizeof qp);
-            const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp));
-            acc[e][i] = _mm512_dpbf16_ps(acc[e][i], qb, (__m512bh)pair[e]);
-          }
+      code_keys_transposed(rows, x, lut, [&](int c0, const __m512i (&pairs)[4][2]) {
+        for (int l = 0; l < 4; ++l)
+          for (int e = 0; e < 2; ++e)
+            for (int i = 0; i < R; ++i) {
+              uint32_t qp;
+              std::memcpy(&qp, q + i * d_ + x + 2 * (8 * l + c0 + e), sizeof qp);
+              const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp));
+              acc[e][i] = _mm512_dpbf16_ps(acc[e][i], qb, (__m512bh)pairs[l][e]);
+            }
       });
     store_unit_scores<R>(first, j0, acc);
   }
