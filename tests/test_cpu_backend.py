@@ -611,11 +611,12 @@ def test_bf16_output_rounding_keeps_subnormals_and_writes_nan_as_torch(decode):
 
 
 def item_read_lines(c: PagedCase, key_cache: torch.Tensor, value_cache: torch.Tensor, seq: int,
-                    heads: range, window: int) -> list[int]:
+                    heads: range, window: int, values_by_head: bool = False) -> list[int]:
     """The 64-byte lines a decode work item on the vdpbf16ps path reads, in the order it reads
     them (docs/cpu.md): per chunk of 256 keys, the K rows unit by unit (16 keys; in a unit, KV
-    head by KV head, keys in order), then the V rows the same way; a line read again straight
-    after itself is listed once."""
+    head by KV head, keys in order), then the V rows the same way, or, `values_by_head` (an
+    8-bit cache read through the byte tables, at most 4 rows per KV head), KV head by KV head
+    (in a head, unit by unit); a line read again straight after itself is listed once."""
     seq_len = int(c.seq_lens[seq])
     block_size = key_cache.shape[2]
     lo = max(0, seq_len - window) if window else 0
@@ -623,16 +624,17 @@ def item_read_lines(c: PagedCase, key_cache: torch.Tensor, value_cache: torch.Te
     for c0 in range(lo, seq_len, 256):
         c1 = min(seq_len, c0 + 256)
         for cache in (key_cache, value_cache):
-            for j0 in range(c0, c1, 16):
-                for h in heads:
-                    for pos in range(j0, min(c1, j0 + 16)):
-                        row = cache[int(c.block_tables[seq, pos // block_size]), h,
-                                    pos % block_size]
-                        start = row.data_ptr()
-                        end = start + row.numel() * row.element_size()
-                        for line in range(start // 64 * 64, end, 64):
-                            if not lines or lines[-1] != line:
-                                lines.append(line)
+            units = [(j0, h) for j0 in range(c0, c1, 16) for h in heads]
+            if cache is value_cache and values_by_head:
+                units = [(j0, h) for h in heads for j0 in range(c0, c1, 16)]
+            for j0, h in units:
+                for pos in range(j0, min(c1, j0 + 16)):
+                    row = cache[int(c.block_tables[seq, pos // block_size]), h, pos % block_size]
+                    start = row.data_ptr()
+                    end = start + row.numel() * row.element_size()
+                    for line in range(start // 64 * 64, end, 64):
+                        if not lines or lines[-1] != line:
+                            lines.append(line)
     return lines
 
 
@@ -652,15 +654,17 @@ def split_into_items(log: list[int], items: list[list[int]]) -> list[list[int]]:
     return found
 
 
-@pytest.mark.parametrize("cache_dtype,seq_lens,window,nhd", [
-    (torch.bfloat16, [300, 37, 16, 529, 1], 0, False),  # all-KV-heads items, several chunks
-    (torch.bfloat16, [300, 37], 0, False),               # one KV head per item
-    (torch.bfloat16, [300, 37, 16, 529], 270, False),    # a window: reads start mid-block
-    (torch.bfloat16, [300, 37, 16, 529], 0, True),       # NHD: a head's rows are not contiguous
-    (torch.int8, [300, 37, 16, 529], 0, False),          # 32-byte rows: lines shared by rows
+@pytest.mark.parametrize("cache_dtype,seq_lens,window,nhd,head_size", [
+    (torch.bfloat16, [300, 37, 16, 529, 1], 0, False, 64),  # all-KV-heads items, several chunks
+    (torch.bfloat16, [300, 37], 0, False, 64),               # one KV head per item
+    (torch.bfloat16, [300, 37, 16, 529], 270, False, 64),    # a window: reads start mid-block
+    (torch.bfloat16, [300, 37, 16, 529], 0, True, 64),       # NHD: a head's rows not contiguous
+    (torch.int8, [300, 37, 16, 529], 0, False, 32),          # 32-byte rows: lines shared by rows
+    (torch.float8_e4m3fn, [300, 37, 16, 529], 0, False, 64),  # V by head (VBMI byte tables)
+    (torch.int8, [300, 37, 16, 529, 1], 270, False, 128),     # the same, a window, two lines
 ])
 def test_paced_prefetch_requests_each_items_reads_in_read_order(cache_dtype, seq_lens, window,
-                                                                nhd):
+                                                                nhd, head_size):
     """On the vdpbf16ps path every work item requests exactly the lines of the K and V rows it
     reads, in the order it reads them (csrc/line_cursor.h), whatever the layout, window or
     cache dtype; with `prefetch_lines` 0 it requests none."""
@@ -668,15 +672,17 @@ def test_paced_prefetch_requests_each_items_reads_in_read_order(cache_dtype, seq
     if "-mavx512bf16" not in build.compile_flags():
         pytest.skip("the paced prefetch runs on the AVX-512 BF16 build's vdpbf16ps path")
     ext = build.load()
-    head_size = 32 if cache_dtype == torch.int8 else 64
     c = build_case(seq_lens, None, (8, 2), head_size, 16, torch.bfloat16, nhd=nhd, seed=5)
-    if cache_dtype == torch.int8:
+    flags = build.compile_flags()
+    values_by_head = (cache_dtype.itemsize == 1 and head_size % 64 == 0
+                      and "-mavx512vbmi" in flags and "-mamx-tile" not in flags)
+    if cache_dtype.itemsize == 1:
         k_scale, v_scale = kv_scales_for(cache_dtype, 2)
         kc, vc, _, _ = quantized_case(c, cache_dtype, k_scale, v_scale)
     else:
         kc, vc, k_scale, v_scale = c.key_cache, c.value_cache, None, None
     heads_per_item = 2 if len(seq_lens) >= 4 else 1
-    items = [item_read_lines(c, kc, vc, s, range(h, h + heads_per_item), window)
+    items = [item_read_lines(c, kc, vc, s, range(h, h + heads_per_item), window, values_by_head)
              for s in range(len(seq_lens)) for h in range(0, 2, heads_per_item)]
     out = torch.empty_like(c.query)
     for lines in (backend.PREFETCH_LINES, 0):

@@ -299,14 +299,22 @@ class ItemKernel {
     cursor.clear();
     for (int64_t c0 = lo; c0 < hi; c0 += chunk_keys()) {
       const int n = static_cast<int>(std::min<int64_t>(hi - c0, chunk_keys())), step = unit_keys(n);
-      for (const bool values : {false, true})
+      const auto list_unit = [&](bool values, int j0, int hh) {
+        for_block_runs(c0 + j0, c0 + std::min(n, j0 + step),
+                       [&](int, int run, const C* k, const C* v) {
+                         if (values) list_rows(v + hh * p_.v_s1, run, p_.v_s2);
+                         else list_rows(k + hh * p_.k_s1, run, p_.k_s2);
+                       });
+      };
+      for (int j0 = 0; j0 < n; j0 += step)
+        for (int hh = 0; hh < nh_; ++hh) list_unit(false, j0, hh);
+      if (values_by_head()) {
+        for (int hh = 0; hh < nh_; ++hh)
+          for (int j0 = 0; j0 < n; j0 += step) list_unit(true, j0, hh);
+      } else {
         for (int j0 = 0; j0 < n; j0 += step)
-          for (int hh = 0; hh < nh_; ++hh)
-            for_block_runs(c0 + j0, c0 + std::min(n, j0 + step),
-                           [&](int, int run, const C* k, const C* v) {
-                             if (values) list_rows(v + hh * p_.v_s1, run, p_.v_s2);
-                             else list_rows(k + hh * p_.k_s1, run, p_.k_s2);
-                           });
+          for (int hh = 0; hh < nh_; ++hh) list_unit(true, j0, hh);
+      }
     }
     cursor.advance(p_.prefetch_lines);
   }
@@ -325,17 +333,22 @@ class ItemKernel {
   // cursor's advance by the lines those rows hold.
   template <typename F>
   void paced(int keys, F&& read) {
-    const int64_t half =
-        paced_ ? std::max<int64_t>(1, keys * d_ * static_cast<int64_t>(sizeof(C)) / 128) : 0;
+    const int64_t half = pace_lines(keys);
     if (half > 0) sc_.cursor.advance(half);
     read();
     if (half > 0) sc_.cursor.advance(half);
   }
 
+  // Half the lines of `keys` rows of one KV head (at least 1), or 0 without the paced prefetch:
+  // what paced() requests before and after reading them.
+  int64_t pace_lines(int keys) const {
+    return paced_ ? std::max<int64_t>(1, keys * d_ * static_cast<int64_t>(sizeof(C)) / 128) : 0;
+  }
+
   // All KV heads of the item go through each chunk together, in units of UNIT_KEYS keys (a
   // block at block size 16) x one KV head, block-major where unit_keys allows: the K (then V)
   // rows of a block's heads, one contiguous [num_kv_heads, block_size, head_size] run, are then
-  // read in address order.
+  // read in address order. The V rows go head by head instead where values_by_head().
   void chunk(int64_t c0, int64_t c1) {
     const int n = static_cast<int>(c1 - c0), step = unit_keys(n);
     locate(c0, n);
@@ -346,12 +359,25 @@ class ItemKernel {
       }
     for (int r = 0; r < rows_; ++r) finish_scores(r, c0, n);
     softmax_step(n);
+#if defined(PK_CODE_LUT)
+    if constexpr (is_8bit_cache<C>() && std::is_same_v<T, at::BFloat16>) {
+      if (values_by_head()) {
+        for (int hh = 0; hh < nh_; ++hh) code_values_chunk(hh, n, &sc_.vp[hh * KEY_CHUNK]);
+        return;
+      }
+    }
+#endif
     for (int j0 = 0; j0 < n; j0 += step)
       for (int hh = 0; hh < nh_; ++hh) {
         const int j1 = std::min(n, j0 + step);
         paced(j1 - j0, [&] { accumulate_values(hh, j0, j1, &sc_.vp[hh * KEY_CHUNK]); });
       }
   }
+
+  // Whether chunk() reads the V rows head by head (all units of KV head 0, then of head 1, ..;
+  // code_values_chunk), not block-major: an 8-bit cache through code_lut.h with at most 4 rows
+  // per KV head, whose accumulators then stay in registers across the chunk's units.
+  bool values_by_head() const { return lut_ && rh_ <= 4; }
 
   // Keys per chunk: KEY_CHUNK on the vdpbf16ps paths, WIDENED_CHUNK on the others.
   int64_t chunk_keys() const { return pairs_ ? KEY_CHUNK : WIDENED_CHUNK; }
@@ -534,20 +560,12 @@ class ItemKernel {
     store_unit_scores<R>(first, j0, acc);
   }
 
-  // An 8-bit cache's P.V for keys [j0, j1) of a unit (at most 16): the V codes as bf16 key
-  // pairs into sc_.vt once (code_value_pairs; a pad key reads the row of zeros, its weight is
-  // 0), then acc[r] += w[r][j] V[j] for every row of KV head hh, up to 4 rows at a time.
+  // An 8-bit cache's P.V for keys [j0, j1) of a unit (at most 16), more than 4 rows per KV head
+  // (at most 4: code_values_chunk): the V codes as bf16 key pairs into sc_.vt once
+  // (code_value_pairs; a pad key reads the row of zeros, its weight is 0), then
+  // acc[r] += w[r][j] V[j] for every row of KV head hh, up to 4 rows at a time.
   void code_values(int hh, int j0, int j1, const C* const* vrows) {
     const int first = hh * rh_;
-    if (rh_ <= 4) {  // one group of rows: the pairs straight from the codes, nothing staged
-      switch (rh_) {
-        case 4: code_pairs_direct<4>(first, j0, j1, vrows); break;
-        case 3: code_pairs_direct<3>(first, j0, j1, vrows); break;
-        case 2: code_pairs_direct<2>(first, j0, j1, vrows); break;
-        default: code_pairs_direct<1>(first, j0, j1, vrows); break;
-      }
-      return;
-    }
     __m512i* vt = reinterpret_cast<__m512i*>(sc_.vt.data());
     const CodeLut& lut = code_lut<C>();
     const int pairs = (j1 - j0 + 1) / 2;
@@ -576,17 +594,35 @@ class ItemKernel {
     }
   }
 
-  // code_values for NR <= 4 rows from r0 (all of the KV head's): each key pair's V codes
-  // converted in registers and used at once.
+  // An 8-bit cache's P.V for the chunk's n keys of KV head hh, at most 4 rows per KV head
+  // (values_by_head): acc[r] += w[r][j] V[j], each key pair's V codes converted in registers and
+  // used at once.
+  void code_values_chunk(int hh, int n, const C* const* vrows) {
+    switch (rh_) {
+      case 4: code_chunk_direct<4>(hh * rh_, n, vrows); break;
+      case 3: code_chunk_direct<3>(hh * rh_, n, vrows); break;
+      case 2: code_chunk_direct<2>(hh * rh_, n, vrows); break;
+      default: code_chunk_direct<1>(hh * rh_, n, vrows); break;
+    }
+  }
+
+  // code_values_chunk for NR rows from r0, 64 columns at a time: the rows' accumulators stay in
+  // registers over all of the chunk's key pairs (a pad key reads the row of zeros, its weight is
+  // 0). The first 64 columns' pass requests each unit's lines as chunk() would (plan_reads
+  // lists the V rows head by head), which covers the other passes' lines too.
   template <int NR>
-  void code_pairs_direct(int r0, int j0, int j1, const C* const* vrows) {
+  void code_chunk_direct(int r0, int n, const C* const* vrows) {
     const CodeLut& lut = code_lut<C>();
     const C* zero = sc_.zero_row.data();
     for (int x = 0; x < d_; x += 64) {
       __m512i v[4];
-      code_pairs_slice<NR>(r0, j0, x, (j1 - j0 + 1) / 2, [&](int kp) {
-        const int j = j0 + 2 * kp;
-        code_value_pairs(vrows[j] + x, (j + 1 < j1 ? vrows[j + 1] : zero) + x, lut, v);
+      code_pairs_slice<NR>(r0, 0, x, (n + 1) / 2, [&](int kp) {
+        const int j = 2 * kp;
+        if (x == 0 && j % UNIT_KEYS == 0) {
+          const int64_t half = pace_lines(std::min(UNIT_KEYS, n - j));
+          if (half > 0) sc_.cursor.advance(2 * half);
+        }
+        code_value_pairs(vrows[j] + x, (j + 1 < n ? vrows[j + 1] : zero) + x, lut, v);
         return static_cast<const __m512i*>(v);
       });
     }
