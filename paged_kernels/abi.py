@@ -355,8 +355,11 @@ def check_scale_contents(k_scale: Optional[torch.Tensor], v_scale: Optional[torc
     """The content check of normalised scales (synchronises off the CPU): every entry finite
     and > 0. Runs always for CPU tensors, else with the other content checks."""
     for arg, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if t is not None and not bool(((t > 0) & torch.isfinite(t)).all()):
-            _fail(ValueError, arg, "finite scales > 0", t.tolist())
+        if t is None:
+            continue
+        values = t.tolist()  # one read of a few floats: cheaper than tensor ops on the CPU
+        if not all(0.0 < v < math.inf for v in values):  # NaN compares False
+            _fail(ValueError, arg, "finite scales > 0", values)
 
 
 def check_scales_now(k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],

@@ -161,6 +161,8 @@ BAD_ARGS = [
      ValueError, ["v_scale", "finite scales > 0", "[1.0, 0.0]"]),
     ("NaN scale tensor", lambda c: quantized(c, k_scale=torch.tensor([float("nan")])),
      ValueError, ["k_scale", "finite scales > 0", "nan"]),
+    ("inf in a scale tensor", lambda c: quantized(c, k_scale=torch.tensor([1.0, float("inf")])),
+     ValueError, ["k_scale", "finite scales > 0", "inf"]),
 ]
 
 
