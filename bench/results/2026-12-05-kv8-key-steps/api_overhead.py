@@ -26,7 +26,7 @@ def main() -> None:
     for dtype in (torch.float8_e4m3fn, torch.int8):
         caches[str(dtype).removeprefix("torch.")] = quantized_caches(p, dtype)
     for name, (k, v, ks, vs) in caches.items():
-        def call() -> None:
+        def call(k=k, v=v, ks=ks, vs=vs) -> None:
             pk.paged_attention(p.query, k, v, p.block_tables, p.seq_lens, out=out, k_scale=ks,
                                v_scale=vs, backend="cpu")
         call()
