@@ -398,6 +398,20 @@ def test_8bit_caches_match_the_oracle(cache_dtype, dtype):
         kc, vc, keys, values = quantized_case(c, cache_dtype, k_scale, v_scale)
         want, _ = attention_oracle(c.query, keys, values, c.q_lens)
         assert rel_err(attend_ext(ext, c, kc, vc, k_scale, v_scale), want) <= TOL[dtype]
+    # A window that starts and ends mid-chunk, a soft cap and ALiBi, decode and varlen: the
+    # weights outside a row's window are 0 on every P.V path (the V rows read head by head too).
+    for head_size, q_lens in ((64, None), (128, [2, 1, 5, 0])):
+        seq_lens = [5, 1, 80, 9] if q_lens else [1, 37, 300, 16, 5]
+        c = build_case(seq_lens, q_lens, (8, 2), head_size, 16, dtype, seed=7)
+        k_scale, v_scale = kv_scales_for(cache_dtype, 2)
+        kc, vc, keys, values = quantized_case(c, cache_dtype, k_scale, v_scale)
+        alibi = torch.tensor([0.5 ** (h + 1) for h in range(8)])
+        want, want_lse = attention_oracle(c.query, keys, values, c.q_lens, sliding_window=45,
+                                          soft_cap=3.0, alibi_slopes=alibi)
+        out, lse = attend_ext(ext, c, kc, vc, k_scale, v_scale, window=45, soft_cap=3.0,
+                              alibi=alibi, lse=True)
+        assert rel_err(out, want) <= TOL[dtype]
+        assert rel_err(lse, want_lse) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_8BIT)
