@@ -96,8 +96,7 @@ PK_INLINE void transpose_lanes4(__m512i* v) {
 // codes_to_bf16_lanes returns them. Half of the words (c0 = 0, 2, then 4, 6) is transposed at a
 // time (8 registers of code pairs live, not 16), each step's four lookups come before use()
 // multiplies them, and the steps are unrolled so that use()'s accumulators stay in registers:
-// 8-bit decode calls took 5-8 % less time than with each lookup used as it came
-// (bench/results/2026-12-05-kv8-key-steps).
+// faster than using each lookup as it came (bench/results/2026-12-05-kv8-key-steps).
 template <typename C, typename F>
 PK_INLINE void code_keys_transposed(const C* const* rows, int x, const CodeLut& t, F&& use) {
 #pragma GCC unroll 2
