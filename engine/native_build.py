@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -106,12 +107,14 @@ class _PackingKernel:
         self.simd_paths: str = simd_paths().decode()
         """The code path compiled in: a SIMD set's name or "portable"."""
 
-    def pack(self, data: torch.Tensor, qtype: str, cols: int, threads: int) -> torch.Tensor:
+    def pack(self, data: torch.Tensor, qtype: str, cols: int, threads: int,
+             allocate: Optional[Callable[[int], torch.Tensor]] = None) -> torch.Tensor:
         """The packed form (uint8, 64-byte aligned start) of the `[rows, cols]` weight whose
         GGUF blocks of format `qtype` are `data` (`GGUFBlocks.data`; the kernel's source states
-        the layout)."""
+        the layout). `allocate(n)`: where its n bytes go (a contiguous uint8 tensor with a
+        64-byte aligned start, e.g. `WeightArena.take`); default a buffer of its own."""
         rows = data.shape[0]
-        out = _aligned_empty(self._packed_bytes(_QTYPES[qtype], rows, cols))
+        out = (allocate or _aligned_empty)(self._packed_bytes(_QTYPES[qtype], rows, cols))
         failed = self._pack(data.data_ptr(), _QTYPES[qtype], rows, cols, out.data_ptr(),
                             threads)
         assert not failed, f"{self._prefix}_pack refused inputs that GGUFBlocks accepted"

@@ -18,6 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.model.gguf_blocks import GGUFBlocks
+    from engine.model.weight_arena import WeightArena
 
 __all__ = ["PackedWeight", "LazyKernel"]
 
@@ -40,11 +41,14 @@ class PackedWeight:
         return self.rows, self.cols
 
     @classmethod
-    def pack(cls: type[W], blocks: "GGUFBlocks", kernel: Any) -> W:
-        """`blocks` repacked by `kernel` (its `pack(data, qtype, cols, threads)`), on torch's
-        thread count: the same weights, bit for bit."""
+    def pack(cls: type[W], blocks: "GGUFBlocks", kernel: Any,
+             arena: Optional["WeightArena"] = None) -> W:
+        """`blocks` repacked by `kernel` (its `pack(data, qtype, cols, threads, allocate)`), on
+        torch's thread count: the same weights, bit for bit, in a buffer from `arena` (default
+        one of their own)."""
         rows, cols = blocks.shape
-        packed = kernel.pack(blocks.data, blocks.qtype, cols, torch.get_num_threads())
+        packed = kernel.pack(blocks.data, blocks.qtype, cols, torch.get_num_threads(),
+                             None if arena is None else arena.take)
         return cls(blocks.qtype, packed, rows, cols)
 
 

@@ -38,6 +38,7 @@ from engine.model.quant_int8 import X_DTYPES, Int8Weight, bad_x, pack_int8
 from engine.model.quant_tiled import (TiledWeight, pack_tiled, tiled_kernel_problem,
                                       tiled_simd_path)
 from engine.model.sharding import take_blocks
+from engine.model.weight_arena import WeightArena
 
 if TYPE_CHECKING:
     from engine.native_build import QuantKernel, TiledKernel
@@ -207,13 +208,15 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
     Returns the names of the model attributes converted (e.g.
     "layers.0.qkv_proj", "lm_head"). ValueError when blocks do not match the model's shapes.
     Each file tensor is cut to the model's tensor-parallel shard (`model.shard`) as it arrives,
-    so only the shard's blocks are ever held."""
+    so only the shard's blocks are ever held. The blocks (tiled, int8 or in the file's layout)
+    lie back to back in huge pages, in the order a step reads them (`WeightArena`)."""
     by_name = _shard_blocks(model, blocks)
     model.weights_changed()
     if tiled is None:
         tiled = (not int8 and model.dtype == torch.bfloat16
                  and tiled_kernel_problem() is None)
     converted = []
+    arena = WeightArena()  # the packed weights back to back, in the order a step reads them
     targets = [(f"layers.{i}.", f"model.layers.{i}.", layer)
                for i, layer in enumerate(model.layers)]
     for prefix, hf_prefix, layer in targets:
@@ -221,13 +224,20 @@ def attach_gguf_weights(model: torch.nn.Module, blocks: Iterable[tuple[str, GGUF
             found = [by_name.get(hf_prefix + part + ".weight") for part in parts]
             if None in found or len({(b.qtype, b.cols) for b in found}) != 1:
                 continue
-            _attach(layer, fused, GGUFBlocks.concat(found), max_rows, int8, tiled)
+            _attach(layer, fused, GGUFBlocks.concat(found), max_rows, int8, tiled, arena)
             converted.append(prefix + fused)
     head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     if head in by_name:
-        _attach(model, "lm_head", by_name[head], max_rows, int8, tiled)
+        _attach(model, "lm_head", by_name[head], max_rows, int8, tiled, arena)
         converted.append("lm_head")
     return converted
+
+
+def _copied_into(blocks: GGUFBlocks, arena: WeightArena) -> GGUFBlocks:
+    """`blocks` with their bytes copied into `arena` (the file's layout, for `quantized_linear`)."""
+    data = arena.take(blocks.data.numel()).view(blocks.data.shape)
+    data.copy_(blocks.data)
+    return GGUFBlocks(blocks.qtype, data, blocks.cols)
 
 
 def _shard_blocks(model: torch.nn.Module,
@@ -252,8 +262,14 @@ def _shard_blocks(model: torch.nn.Module,
 
 
 def _attach(module: torch.nn.Module, name: str, blocks: GGUFBlocks, max_rows: Optional[int],
-            int8: bool, tiled: bool) -> None:
+            int8: bool, tiled: bool, arena: WeightArena) -> None:
     dense = getattr(module, name)
     module._parameters.pop(name, None)  # a Parameter slot takes no other type
-    setattr(module, name, QuantizedWeight(pack_tiled(blocks) if tiled else blocks, dense,
-                                          max_rows, pack_int8(blocks) if int8 else None))
+    if tiled:
+        weight = pack_tiled(blocks, arena=arena)
+    elif int8:  # every matmul reads the int8 tiles: the file's blocks stay where they are
+        weight = blocks
+    else:
+        weight = _copied_into(blocks, arena)
+    int8_weight = pack_int8(blocks, arena=arena) if int8 else None
+    setattr(module, name, QuantizedWeight(weight, dense, max_rows, int8_weight))

@@ -21,6 +21,7 @@ from engine.model.packed_weight import LazyKernel, PackedWeight
 
 if TYPE_CHECKING:
     from engine.model.gguf_blocks import GGUFBlocks
+    from engine.model.weight_arena import WeightArena
     from engine.native_build import Int8Kernel
 
 __all__ = ["Int8Weight", "pack_int8", "int8_linear", "int8_kernel_problem"]
@@ -31,10 +32,11 @@ class Int8Weight(PackedWeight):
     the GGUF format it came from ("Q4_1" or "Q8_0")."""
 
 
-def pack_int8(blocks: "GGUFBlocks", kernel: Optional["Int8Kernel"] = None) -> Int8Weight:
+def pack_int8(blocks: "GGUFBlocks", kernel: Optional["Int8Kernel"] = None,
+              arena: Optional["WeightArena"] = None) -> Int8Weight:
     """The tiled form of `blocks` (the same weights, bit for bit). `kernel`: a build of the
     kernel (tests pass the portable one); default this machine's."""
-    return Int8Weight.pack(blocks, _KERNEL.get(kernel))
+    return Int8Weight.pack(blocks, _KERNEL.get(kernel), arena)
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight,

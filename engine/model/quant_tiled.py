@@ -23,6 +23,7 @@ from engine.model.packed_weight import LazyKernel, PackedWeight
 
 if TYPE_CHECKING:
     from engine.model.gguf_blocks import GGUFBlocks
+    from engine.model.weight_arena import WeightArena
     from engine.native_build import TiledKernel
 
 __all__ = ["TiledWeight", "pack_tiled", "tiled_linear", "tiled_kernel_problem", "tiled_simd_path"]
@@ -33,10 +34,12 @@ class TiledWeight(PackedWeight):
     the GGUF format it came from ("Q4_1" or "Q8_0")."""
 
 
-def pack_tiled(blocks: "GGUFBlocks", kernel: Optional["TiledKernel"] = None) -> TiledWeight:
+def pack_tiled(blocks: "GGUFBlocks", kernel: Optional["TiledKernel"] = None,
+               arena: Optional["WeightArena"] = None) -> TiledWeight:
     """The tiled form of `blocks` (the same weights, bit for bit, in as many bytes). `kernel`: a
-    build of the kernel (tests pass the portable one); default this machine's."""
-    return TiledWeight.pack(blocks, _KERNEL.get(kernel))
+    build of the kernel (tests pass the portable one); default this machine's. `arena`: where
+    the packed bytes go (`engine.model.weight_arena`); default a buffer of their own."""
+    return TiledWeight.pack(blocks, _KERNEL.get(kernel), arena)
 
 
 def tiled_linear(x: torch.Tensor, weight: TiledWeight,
