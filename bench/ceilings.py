@@ -2,7 +2,12 @@
 from different machines compare as fractions of these ceilings:
 
 - copy bandwidth: a large device-to-device copy, counted as bytes read + bytes written;
-- matmul rate: a large square matmul, 2 * n**3 flops.
+- matmul rate: a large square matmul, 2 * n**3 flops;
+- read bandwidth (CPU): one buffer in huge pages, larger than the last-level cache, summed by
+  every thread over its contiguous share (bench/csrc/read_ceiling.cpp): the rate at which a
+  decode step can stream its weights and its K/V, which only read. On a 2-vCPU VM it differs
+  from the copy rate in both directions from one memory phase to the next, so kernels that
+  stream read-only bytes are measured against it, in the same run.
 
 On a GPU the sizes are large enough to leave every cache behind (1 GiB copy, n = 8192 matmul); on
 the CPU they are small enough to finish in a second or two.
@@ -13,8 +18,10 @@ the CPU they are small enough to finish in a second or two.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -24,6 +31,8 @@ GPU_COPY_BYTES = 1 << 30
 CPU_COPY_BYTES = 64 << 20
 GPU_MATMUL_N = 8192
 CPU_MATMUL_N = 1024
+CPU_READ_BYTES = 256 << 20
+READ_SOURCE = Path(__file__).resolve().parent / "csrc" / "read_ceiling.cpp"
 
 
 def copy_bandwidth(device: str, nbytes: Optional[int] = None, repeat: int = 10) -> dict:
@@ -35,6 +44,32 @@ def copy_bandwidth(device: str, nbytes: Optional[int] = None, repeat: int = 10) 
     seconds = median_seconds(lambda: dst.copy_(src), device, repeat=repeat)
     moved = 2 * src.numel() * src.element_size()
     return {"copy_bytes": moved, "copy_seconds": seconds, "copy_GBps": moved / seconds / 1e9}
+
+
+def read_bandwidth(nbytes: int = CPU_READ_BYTES, threads: Optional[int] = None,
+                   repeat: int = 10) -> dict:
+    """GB/s of reading an `nbytes` CPU buffer in huge pages (`paged_kernels.empty_cache`, where
+    Linux offers them) on `threads` threads (default torch's count), the median of `repeat`."""
+    from paged_kernels.cache_memory import empty_cache
+
+    threads = torch.get_num_threads() if threads is None else threads
+    words = empty_cache((nbytes // 8,), torch.int64)
+    words.fill_(1)  # resident before the timing
+    lib = _read_library()
+    seconds = median_seconds(
+        lambda: lib.read_words(words.data_ptr(), words.numel(), threads), "cpu", repeat=repeat)
+    moved = words.numel() * 8
+    return {"read_bytes": moved, "read_seconds": seconds, "read_GBps": moved / seconds / 1e9,
+            "read_threads": threads}
+
+
+def _read_library() -> Any:
+    from paged_kernels.cpp_build import BASE_FLAGS, load_library
+
+    lib = load_library(READ_SOURCE, "bench_read_ceiling", list(BASE_FLAGS), "bench read ceiling")
+    lib.read_words.restype = ctypes.c_uint64
+    lib.read_words.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    return lib
 
 
 def matmul_rate(device: str, dtype: torch.dtype, n: Optional[int] = None,
@@ -52,8 +87,10 @@ def matmul_rate(device: str, dtype: torch.dtype, n: Optional[int] = None,
 
 
 def measure_ceilings(device: str, dtype: torch.dtype) -> dict:
-    """Copy bandwidth and the matmul rate in `dtype` (the kernels' dtype), one dict."""
-    return {**copy_bandwidth(device), **matmul_rate(device, dtype)}
+    """Copy bandwidth and the matmul rate in `dtype` (the kernels' dtype), one dict; on the CPU
+    also the read bandwidth."""
+    read = read_bandwidth() if device == "cpu" else {}
+    return {**copy_bandwidth(device), **matmul_rate(device, dtype), **read}
 
 
 def main(argv: Optional[list[str]] = None) -> None:

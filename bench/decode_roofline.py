@@ -14,11 +14,13 @@ Work per decode step, counted while the step runs:
   per layer (`[num_blocks, num_kv_heads, block_size, head_size]` caches, a sliding
   window's positions only).
 
-Ceilings: the copy bandwidth of a `--copy-mib` MiB copy (read + written bytes; larger than the
-last-level cache, so it is the memory's), and the rate of a bfloat16 (or `--dtype`) matmul of
-`--matmul-n` (oneDNN). A part's floor is its bytes at the copy bandwidth (and, for matmuls, its
-flops at the matmul rate, whichever is longer); the step's floor adds the matmul and attention
-floors. Counting adds about a microsecond per matmul and attention call to "other model ops".
+Ceilings: the read bandwidth of a `--read-mib` MiB buffer in huge pages (`bench.ceilings.
+read_bandwidth`; larger than the last-level cache, so it is the memory's), the copy bandwidth of
+a `--copy-mib` MiB copy (read + written bytes, for reference), and the rate of a bfloat16 (or
+`--dtype`) matmul of `--matmul-n` (oneDNN). The weights and the K/V are only read, so a part's
+floor is its bytes at the read bandwidth (and, for matmuls, its flops at the matmul rate,
+whichever is longer); the step's floor adds the matmul and attention floors. Counting adds
+about a microsecond per matmul and attention call to "other model ops".
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 import bench.serve_profile as serve_profile
 import engine.model.decoder as decoder
-from bench.ceilings import copy_bandwidth, matmul_rate
+from bench.ceilings import copy_bandwidth, matmul_rate, read_bandwidth
 from engine.config import QUANTIZATION_MODES
 from engine.model.layer_loop import LayerLoop
 from engine.model.loader import load_model
@@ -124,7 +126,7 @@ def roofline(row: dict[str, float], work: dict[str, float], ceilings: dict[str, 
     """Per decode step (`row`: serve_profile's breakdown; `work`: the counters over its steps):
     the work, rates, shares of the ceilings and floors."""
     steps = row["steps"]
-    bandwidth = ceilings["copy_GBps"] * 1e9
+    bandwidth = ceilings["read_GBps"] * 1e9
     peak = ceilings["matmul_TFLOPs"] * 1e12
     flop = work["matmul_flop"] / steps
     mm_bytes, kv_bytes = work["matmul_bytes"] / steps, work["kv_bytes"] / steps
@@ -146,7 +148,9 @@ def roofline(row: dict[str, float], work: dict[str, float], ceilings: dict[str, 
 
 def table(rows: list[dict[str, Any]], ceilings: dict[str, Any]) -> str:
     """Markdown: one block of lines per (batch, quantization)."""
-    lines = [f"Ceilings: copy {ceilings['copy_GBps']:.1f} GB/s (read + written, "
+    lines = [f"Ceilings: read {ceilings['read_GBps']:.1f} GB/s ("
+             f"{ceilings['read_bytes'] / 2**20:.0f} MiB in huge pages), copy "
+             f"{ceilings['copy_GBps']:.1f} GB/s (read + written, "
              f"{ceilings['copy_bytes'] / 2**21:.0f} MiB), {ceilings['matmul_dtype']} matmul "
              f"{ceilings['matmul_TFLOPs'] * 1e3:.0f} GFLOP/s (n = {ceilings['matmul_n']}).", "",
              "| batch | quantization | part | ms / step | share | work / step | rate | "
@@ -158,11 +162,11 @@ def table(rows: list[dict[str, Any]], ceilings: dict[str, Any]) -> str:
                      f"| {r['matmul_GFLOP']:.2f} GFLOP, {r['matmul_MB']:.1f} MB "
                      f"| {r['matmul_GFLOPs']:.0f} GFLOP/s, {r['matmul_GBps']:.1f} GB/s "
                      f"| {r['matmul_of_peak']:.0%} of matmul, {r['matmul_of_bandwidth']:.0%} "
-                     f"of copy | {r['matmul_floor_ms']:.1f} |")
+                     f"of read | {r['matmul_floor_ms']:.1f} |")
         lines.append(head + f"| attention | {r['attention_ms']:.1f} "
                      f"| {r['attention_ms'] / r['step_ms']:.0%} | {r['attention_MB']:.1f} MB K/V "
                      f"| {r['attention_GBps']:.1f} GB/s | {r['attention_of_bandwidth']:.0%} of "
-                     f"copy | {r['attention_floor_ms']:.1f} |")
+                     f"read | {r['attention_floor_ms']:.1f} |")
         for part in PARTS[2:]:
             ms = r[f"{part}_ms"]
             lines.append(head + f"| {part.replace('_', ' ')} | {ms:.1f} | "
@@ -183,12 +187,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--quantization", nargs="+", default=["auto"], choices=QUANTIZATION_MODES)
     p.add_argument("--copy-mib", type=int, default=512)
+    p.add_argument("--read-mib", type=int, default=256)
     p.add_argument("--matmul-n", type=int, default=2048)
     p.add_argument("--out", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    ceilings = {**copy_bandwidth("cpu", args.copy_mib << 20),
+    ceilings = {**read_bandwidth(args.read_mib << 20),
+                **copy_bandwidth("cpu", args.copy_mib << 20),
                 **matmul_rate("cpu", dtype, args.matmul_n)}
     models = {q: load_model(None, dtype=dtype, quantization=q) for q in args.quantization}
     for loaded in models.values():

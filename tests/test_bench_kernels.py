@@ -25,6 +25,17 @@ def test_ceilings_are_positive_rates() -> None:
     mm = ceilings.matmul_rate("cpu", torch.float32, n=64, repeat=2)
     assert copy["copy_bytes"] == 2 << 20 and copy["copy_GBps"] > 0
     assert mm["matmul_n"] == 64 and mm["matmul_TFLOPs"] > 0
+    read = ceilings.read_bandwidth(nbytes=1 << 20, threads=2, repeat=2)
+    assert read["read_bytes"] == 1 << 20 and read["read_GBps"] > 0 and read["read_threads"] == 2
+
+
+def test_read_ceiling_reads_every_word_once() -> None:
+    """The native read loop sums each word of its buffer exactly once, whatever the thread
+    count and a length that is no multiple of the chains or the threads."""
+    lib = ceilings._read_library()
+    words = torch.arange(1, 1003, dtype=torch.int64)
+    for threads in (1, 2, 3):
+        assert lib.read_words(words.data_ptr(), words.numel(), threads) == 1002 * 1003 // 2
 
 
 def test_seconds_in_turns_calls_each_function_once_per_round_in_turns() -> None:

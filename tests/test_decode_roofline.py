@@ -90,7 +90,7 @@ def test_counting_run_counts_every_visible_position(monkeypatch, window) -> None
 def test_roofline_rates_and_floors() -> None:
     row = {"steps": 2, "step_ms": 10.0, "matmul_ms": 4.0, "attention_ms": 2.0}
     work = {"matmul_flop": 8e9, "matmul_bytes": 40e6, "kv_bytes": 20e6}
-    ceilings = {"copy_GBps": 10.0, "matmul_TFLOPs": 1.0}
+    ceilings = {"read_GBps": 10.0, "copy_GBps": 99.0, "matmul_TFLOPs": 1.0}  # floors: read
     r = decode_roofline.roofline(row, work, ceilings)
     assert r["matmul_GFLOPs"] == pytest.approx(1000.0)   # 4 GFLOP in 4 ms
     assert r["matmul_GBps"] == pytest.approx(5.0)       # 20 MB in 4 ms
@@ -117,10 +117,12 @@ def test_small_run_counts_the_models_own_sizes(tmp_path: Path, monkeypatch) -> N
     monkeypatch.setattr(decoder, "_profiled", False, raising=False)
     out = tmp_path / "roofline.json"
     decode_roofline.main(["--batch", "2", "--steps", "2", "--prompt-len", "16", "--copy-mib", "8",
+                          "--read-mib", "8",
                           "--matmul-n", "128", "--threads", "2", "--out", str(out)])
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     assert report["ceilings"]["copy_GBps"] > 0 and report["ceilings"]["matmul_TFLOPs"] > 0
+    assert report["ceilings"]["read_GBps"] > 0 and report["ceilings"]["read_bytes"] == 8 << 20
     from engine.model.loader import load_model
 
     model = load_model(None, dtype=torch.bfloat16, quantization="auto").model
