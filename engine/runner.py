@@ -44,7 +44,48 @@ def build_inputs(scheduled: list[tuple[Sequence, int]], block_tables: list[list[
     """Builds the step's tensors for `scheduled` `(sequence, num_new_tokens)` pairs, where
     `block_tables[i]` is the block table of the i-th scheduled sequence; `drafts` as in the
     module docstring (their tokens follow the scheduled ones; `logits_indices` then lists
-    every row of a drafting sequence)."""
+    every row of a drafting sequence). A pure decode step (one token per sequence, no drafts)
+    takes `decode_inputs`, the same tensors from plain lists."""
+    if not drafts and all(n == 1 for _, n in scheduled):
+        return decode_inputs(scheduled, block_tables, block_size, backend, device)
+    return varlen_inputs(scheduled, block_tables, block_size, backend, device, drafts)
+
+
+def decode_inputs(scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]],
+                  block_size: int, backend: str = "auto",
+                  device: torch.device | str = "cpu") -> StepInputs:
+    """`varlen_inputs` for one new token per sequence and no drafts, without numpy: a decode
+    step of a few sequences is ~10 small arrays, and their per-call cost is most of the work
+    (tests/test_runner_inputs.py checks both give equal tensors)."""
+    positions = [seq.num_computed_tokens for seq, _ in scheduled]
+    width = max(len(t) for t in block_tables)
+    to = torch.device(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([t[p // block_size] * block_size + p % block_size
+                                   for t, p in zip(block_tables, positions)], device=to),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
+                                  dtype=torch.int32, device=to),
+        seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=to),
+        cu_seqlens_q=None,
+        backend=backend,
+    )
+    sampled = [i for i, ((seq, _), p) in enumerate(zip(scheduled, positions))
+               if p + 1 == seq.num_tokens]
+    return StepInputs(
+        input_ids=torch.tensor([seq.token_ids[p] for (seq, _), p in zip(scheduled, positions)],
+                               dtype=torch.int64, device=to),
+        positions=torch.tensor(positions, dtype=torch.int64, device=to),
+        meta=meta,
+        logits_indices=torch.tensor(sampled, dtype=torch.int64, device=to),
+        sampled_seqs=[scheduled[i][0] for i in sampled],
+    )
+
+
+def varlen_inputs(scheduled: list[tuple[Sequence, int]], block_tables: list[list[int]],
+                  block_size: int, backend: str = "auto",
+                  device: torch.device | str = "cpu",
+                  drafts: Optional[dict[int, list[int]]] = None) -> StepInputs:
+    """`build_inputs` for any step (any new-token counts, drafts), vectorised with numpy."""
     num_seqs = len(scheduled)
     drafts = drafts or {}
     extra = np.fromiter((len(drafts.get(s.seq_id, ())) for s, _ in scheduled), np.int64,
