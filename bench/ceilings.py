@@ -2,7 +2,8 @@
 from different machines compare as fractions of these ceilings:
 
 - copy bandwidth: a large device-to-device copy, counted as bytes read + bytes written;
-- matmul rate: a large square matmul, 2 * n**3 flops;
+- matmul rate: a large square matmul, 2 * n**3 flops (and on the CPU an int8 one, int8 x int8
+  into int32 through oneDNN's VNNI path, `torch._int_mm`: the rate for int8-activation kernels);
 - read bandwidth (CPU): one buffer in huge pages, larger than the last-level cache, summed by
   every thread over its contiguous share (bench/csrc/read_ceiling.cpp): the rate at which a
   decode step can stream its weights and its K/V, which only read. On a 2-vCPU VM it differs
@@ -84,6 +85,16 @@ def matmul_rate(device: str, dtype: torch.dtype, n: Optional[int] = None,
     seconds = median_seconds(lambda: torch.matmul(a, b, out=out), device, repeat=repeat)
     return {"matmul_dtype": str(dtype).replace("torch.", ""), "matmul_n": n,
             "matmul_seconds": seconds, "matmul_TFLOPs": 2 * n ** 3 / seconds / 1e12}
+
+
+def int8_matmul_rate(n: int = CPU_MATMUL_N, repeat: int = 10) -> dict:
+    """TOP/s of an `n x n` by `n x n` int8 matmul into int32 on the CPU (`torch._int_mm`)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (n, n), generator=gen, dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, n), generator=gen, dtype=torch.int8)
+    seconds = median_seconds(lambda: torch._int_mm(a, b), "cpu", repeat=repeat)
+    return {"int8_matmul_n": n, "int8_matmul_seconds": seconds,
+            "int8_matmul_TOPs": 2 * n ** 3 / seconds / 1e12}
 
 
 def measure_ceilings(device: str, dtype: torch.dtype) -> dict:

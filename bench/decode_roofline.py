@@ -17,10 +17,11 @@ Work per decode step, counted while the step runs:
 Ceilings: the read bandwidth of a `--read-mib` MiB buffer in huge pages (`bench.ceilings.
 read_bandwidth`; larger than the last-level cache, so it is the memory's), the copy bandwidth of
 a `--copy-mib` MiB copy (read + written bytes, for reference), and the rate of a bfloat16 (or
-`--dtype`) matmul of `--matmul-n` (oneDNN). The weights and the K/V are only read, so a part's
-floor is its bytes at the read bandwidth (and, for matmuls, its flops at the matmul rate,
-whichever is longer); the step's floor adds the matmul and attention floors. Counting adds
-about a microsecond per matmul and attention call to "other model ops".
+`--dtype`) matmul of `--matmul-n` (oneDNN), and of an int8 one (oneDNN's VNNI path, the rate
+for `gguf-int8`, whose matmuls multiply int8 activations). The weights and the K/V are only read,
+so a part's floor is its bytes at the read bandwidth (and, for matmuls, its flops at the matmul
+rate of its mode, whichever is longer); the step's floor adds the matmul and attention floors.
+Counting adds about a microsecond per matmul and attention call to "other model ops".
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 
 import bench.serve_profile as serve_profile
 import engine.model.decoder as decoder
-from bench.ceilings import copy_bandwidth, matmul_rate, read_bandwidth
+from bench.ceilings import copy_bandwidth, int8_matmul_rate, matmul_rate, read_bandwidth
 from engine.config import QUANTIZATION_MODES
 from engine.model.layer_loop import LayerLoop
 from engine.model.loader import load_model
@@ -121,13 +122,14 @@ def install_counters() -> None:
     LayerLoop.run = counting_loop(LayerLoop.run)
 
 
-def roofline(row: dict[str, float], work: dict[str, float], ceilings: dict[str, Any]
-             ) -> dict[str, float]:
+def roofline(row: dict[str, float], work: dict[str, float], ceilings: dict[str, Any],
+             int8: bool = False) -> dict[str, float]:
     """Per decode step (`row`: serve_profile's breakdown; `work`: the counters over its steps):
-    the work, rates, shares of the ceilings and floors."""
+    the work, rates, shares of the ceilings and floors; `int8`: the matmuls multiply int8
+    activations (their peak is the int8 matmul rate)."""
     steps = row["steps"]
     bandwidth = ceilings["read_GBps"] * 1e9
-    peak = ceilings["matmul_TFLOPs"] * 1e12
+    peak = ceilings["int8_matmul_TOPs" if int8 else "matmul_TFLOPs"] * 1e12
     flop = work["matmul_flop"] / steps
     mm_bytes, kv_bytes = work["matmul_bytes"] / steps, work["kv_bytes"] / steps
     mm_s, at_s = row["matmul_ms"] / 1e3, row["attention_ms"] / 1e3
@@ -151,7 +153,8 @@ def table(rows: list[dict[str, Any]], ceilings: dict[str, Any]) -> str:
     lines = [f"Ceilings: read {ceilings['read_GBps']:.1f} GB/s ("
              f"{ceilings['read_bytes'] / 2**20:.0f} MiB in huge pages), copy "
              f"{ceilings['copy_GBps']:.1f} GB/s (read + written, "
-             f"{ceilings['copy_bytes'] / 2**21:.0f} MiB), {ceilings['matmul_dtype']} matmul "
+             f"{ceilings['copy_bytes'] / 2**21:.0f} MiB), int8 matmul "
+             f"{ceilings['int8_matmul_TOPs'] * 1e3:.0f} GOP/s, {ceilings['matmul_dtype']} matmul "
              f"{ceilings['matmul_TFLOPs'] * 1e3:.0f} GFLOP/s (n = {ceilings['matmul_n']}).", "",
              "| batch | quantization | part | ms / step | share | work / step | rate | "
              "of ceiling | floor ms |", "|---|---|---|---|---|---|---|---|---|"]
@@ -161,7 +164,9 @@ def table(rows: list[dict[str, Any]], ceilings: dict[str, Any]) -> str:
                      f"| {r['matmul_ms'] / r['step_ms']:.0%} "
                      f"| {r['matmul_GFLOP']:.2f} GFLOP, {r['matmul_MB']:.1f} MB "
                      f"| {r['matmul_GFLOPs']:.0f} GFLOP/s, {r['matmul_GBps']:.1f} GB/s "
-                     f"| {r['matmul_of_peak']:.0%} of matmul, {r['matmul_of_bandwidth']:.0%} "
+                     f"| {r['matmul_of_peak']:.0%} of "
+                     f"{'int8 matmul' if r['quantization'] == 'gguf-int8' else 'matmul'}, "
+                     f"{r['matmul_of_bandwidth']:.0%} "
                      f"of read | {r['matmul_floor_ms']:.1f} |")
         lines.append(head + f"| attention | {r['attention_ms']:.1f} "
                      f"| {r['attention_ms'] / r['step_ms']:.0%} | {r['attention_MB']:.1f} MB K/V "
@@ -195,7 +200,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     dtype = getattr(torch, args.dtype)
     ceilings = {**read_bandwidth(args.read_mib << 20),
                 **copy_bandwidth("cpu", args.copy_mib << 20),
-                **matmul_rate("cpu", dtype, args.matmul_n)}
+                **matmul_rate("cpu", dtype, args.matmul_n), **int8_matmul_rate(args.matmul_n)}
     models = {q: load_model(None, dtype=dtype, quantization=q) for q in args.quantization}
     for loaded in models.values():
         serve_profile.install_model_timers(loaded.model)
@@ -207,7 +212,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         for loaded in models.values():
             decode = serve_profile.profile(loaded, batch, settings)["decode"]
             rows.append({"batch": batch, "quantization": loaded.quantization, **decode,
-                         **roofline(decode, dict(WORK), ceilings)})
+                         **roofline(decode, dict(WORK), ceilings,
+                                    int8=loaded.quantization == "gguf-int8")})
     print(table(rows, ceilings))
     if args.out:
         report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

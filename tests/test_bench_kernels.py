@@ -25,6 +25,8 @@ def test_ceilings_are_positive_rates() -> None:
     mm = ceilings.matmul_rate("cpu", torch.float32, n=64, repeat=2)
     assert copy["copy_bytes"] == 2 << 20 and copy["copy_GBps"] > 0
     assert mm["matmul_n"] == 64 and mm["matmul_TFLOPs"] > 0
+    int8 = ceilings.int8_matmul_rate(n=64, repeat=2)
+    assert int8["int8_matmul_n"] == 64 and int8["int8_matmul_TOPs"] > 0
     read = ceilings.read_bandwidth(nbytes=1 << 20, threads=2, repeat=2)
     assert read["read_bytes"] == 1 << 20 and read["read_GBps"] > 0 and read["read_threads"] == 2
 

@@ -97,6 +97,10 @@ def test_roofline_rates_and_floors() -> None:
     assert r["matmul_floor_ms"] == pytest.approx(4.0)   # flops: 4 GFLOP at 1 TFLOP/s > 2 ms
     assert r["attention_GBps"] == pytest.approx(5.0) and r["attention_floor_ms"] == 1.0
     assert r["step_floor_ms"] == pytest.approx(5.0) and r["step_of_floor"] == pytest.approx(0.5)
+    ceilings["int8_matmul_TOPs"] = 4.0  # int8 activations: their own peak
+    r8 = decode_roofline.roofline(row, work, ceilings, int8=True)
+    assert r8["matmul_of_peak"] == pytest.approx(0.25)   # 1 TOP/s of 4
+    assert r8["matmul_floor_ms"] == pytest.approx(2.0)   # bytes: 20 MB at 10 GB/s > 1 ms
 
 
 def test_small_run_counts_the_models_own_sizes(tmp_path: Path, monkeypatch) -> None:
@@ -123,6 +127,7 @@ def test_small_run_counts_the_models_own_sizes(tmp_path: Path, monkeypatch) -> N
     (row,) = report["rows"]
     assert report["ceilings"]["copy_GBps"] > 0 and report["ceilings"]["matmul_TFLOPs"] > 0
     assert report["ceilings"]["read_GBps"] > 0 and report["ceilings"]["read_bytes"] == 8 << 20
+    assert report["ceilings"]["int8_matmul_TOPs"] > 0
     from engine.model.loader import load_model
 
     model = load_model(None, dtype=torch.bfloat16, quantization="auto").model
