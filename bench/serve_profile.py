@@ -109,12 +109,16 @@ def prefill(engine: LLMEngine) -> int:
 
 
 def decoding_engine(loaded: Any, batch: int, prompt_len: int = 256, max_tokens: int = 900,
-                    max_model_len: int = 1024, kv_cache_dtype: str = "auto") -> LLMEngine:
-    """An engine on `loaded` (KV cache of `kv_cache_dtype`) whose `batch` requests
-    (`add_prompts`) are prefilled and decoding: what the decode-step experiments under
-    bench/results start from."""
+                    max_model_len: int = 1024, kv_cache_dtype: str = "auto",
+                    prefault_kv_cache: bool = False) -> LLMEngine:
+    """An engine on `loaded` (KV cache of `kv_cache_dtype`, made resident first with
+    `prefault_kv_cache`, as the server does) whose `batch` requests (`add_prompts`) are
+    prefilled and decoding: what the decode-step experiments under bench/results start from.
+    Without the prefault, a step whose sequences enter new blocks pays their pages'
+    first-touch faults (every `block_size` steps when the prompts have one length)."""
     engine = LLMEngine(loaded, config=EngineConfig(max_model_len=max_model_len,
-                                                   kv_cache_dtype=kv_cache_dtype))
+                                                   kv_cache_dtype=kv_cache_dtype,
+                                                   prefault_kv_cache=prefault_kv_cache))
     add_prompts(engine, batch, prompt_len, max_tokens)
     prefill(engine)
     return engine

@@ -6,7 +6,8 @@ one process, two ways:
   called from Python in module order, on `rows` token rows of random activations;
 - `--steps`: whole engine decode steps (the native layer loop where it applies, sampling, the
   engine's Python) of `rows` sequences after 256-token prompts, two engines on two loads of
-  the model, `--steps` steps per engine and round.
+  the model (KV pools resident from the start, as in the server), `--steps` steps per engine
+  and round.
 
     python -m bench.weight_pages [--rows 1 16] [--modes gguf gguf-int8 float32] [--rounds 31]
     python -m bench.weight_pages --steps 4 --rows 1 16 --modes gguf gguf-int8
@@ -114,7 +115,8 @@ def step_runs(mode: str, rows: int, steps: int) -> tuple[dict[str, Callable[[], 
         if name == "own_buffers":
             move_to_own_buffers(loaded.model)
         nbytes = sum(read_bytes(w) for w in step_weights(loaded.model))
-        engine = decoding_engine(loaded, rows, max_tokens=2000, max_model_len=2304)
+        engine = decoding_engine(loaded, rows, max_tokens=2000, max_model_len=2304,
+                                 prefault_kv_cache=True)
 
         def run(engine: Any = engine) -> float:
             start = time.perf_counter()
