@@ -19,7 +19,7 @@ import torch
 
 from paged_kernels.cache_memory import empty_cache
 
-__all__ = ["WeightArena", "HUGE_PAGE", "CHUNK_BYTES"]
+__all__ = ["WeightArena", "HUGE_PAGE", "CHUNK_BYTES", "ALIGNMENT"]
 
 #: The transparent huge page size of x86-64 and most arm64 kernels; each mapping's first buffer
 #: starts on such a boundary, so that the weights fill whole huge pages from the first byte.
