@@ -2,7 +2,8 @@
 128 greedy tokens each (EOS ignored), at most 16 sequences at a time, bfloat16, 2 threads, the KV
 pool (1 GiB) resident first. Prints output tokens/s. Run from a checkout's root:
 
-    PYTHONPATH=. python bench/results/2026-12-05-side-by-side-weight-arena/offline_generate.py gguf-int8
+    PYTHONPATH=. python \
+        bench/results/2026-12-05-side-by-side-weight-arena/offline_generate.py gguf-int8
 """
 
 from __future__ import annotations
