@@ -39,7 +39,8 @@ MODES = {"gguf": (torch.bfloat16, "gguf"), "gguf-int8": (torch.bfloat16, "gguf-i
 
 
 def step_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
-    """The model's quantized projections in module order (layer by layer, then the head)."""
+    """The model's quantized projections in module order: the LM head (an attribute of the
+    model itself), then each layer's."""
     found = []
     for module in model.modules():
         found += [w for w in vars(module).values() if isinstance(w, QuantizedWeight)]
