@@ -98,10 +98,8 @@ def int8_matmul_rate(n: int = CPU_MATMUL_N, repeat: int = 10) -> dict:
 
 
 def measure_ceilings(device: str, dtype: torch.dtype) -> dict:
-    """Copy bandwidth and the matmul rate in `dtype` (the kernels' dtype), one dict; on the CPU
-    also the read bandwidth."""
-    read = read_bandwidth() if device == "cpu" else {}
-    return {**copy_bandwidth(device), **matmul_rate(device, dtype), **read}
+    """Copy bandwidth and the matmul rate in `dtype` (the kernels' dtype), one dict."""
+    return {**copy_bandwidth(device), **matmul_rate(device, dtype)}
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -130,6 +130,7 @@ def roofline(row: dict[str, float], work: dict[str, float], ceilings: dict[str, 
     activations (their peak is the int8 matmul rate)."""
     steps = row["steps"]
     bandwidth = ceilings["read_GBps"] * 1e9
+    peak_name = "int8 matmul" if int8 else "matmul"
     peak = ceilings["int8_matmul_TOPs" if int8 else "matmul_TFLOPs"] * 1e12
     flop = work["matmul_flop"] / steps
     mm_bytes, kv_bytes = work["matmul_bytes"] / steps, work["kv_bytes"] / steps
@@ -139,7 +140,8 @@ def roofline(row: dict[str, float], work: dict[str, float], ceilings: dict[str, 
     return {
         "matmul_GFLOP": flop / 1e9, "matmul_MB": mm_bytes / 1e6,
         "matmul_GFLOPs": flop / mm_s / 1e9, "matmul_GBps": mm_bytes / mm_s / 1e9,
-        "matmul_of_peak": flop / mm_s / peak, "matmul_of_bandwidth": mm_bytes / mm_s / bandwidth,
+        "matmul_of_peak": flop / mm_s / peak, "matmul_peak": peak_name,
+        "matmul_of_bandwidth": mm_bytes / mm_s / bandwidth,
         "matmul_floor_ms": mm_floor * 1e3,
         "attention_MB": kv_bytes / 1e6, "attention_GBps": kv_bytes / at_s / 1e9,
         "attention_of_bandwidth": kv_bytes / at_s / bandwidth,
@@ -153,8 +155,8 @@ def table(rows: list[dict[str, Any]], ceilings: dict[str, Any]) -> str:
     """Markdown: one block of lines per (batch, quantization)."""
     lines = [f"Ceilings: read {ceilings['read_GBps']:.1f} GB/s ("
              f"{ceilings['read_bytes'] / 2**20:.0f} MiB in huge pages; "
-             f"{ceilings.get('read_GBps_start', ceilings['read_GBps']):.1f} before the steps, "
-             f"{ceilings.get('read_GBps_end', ceilings['read_GBps']):.1f} after), copy "
+             f"{ceilings['read_GBps_start']:.1f} before the steps, "
+             f"{ceilings['read_GBps_end']:.1f} after), copy "
              f"{ceilings['copy_GBps']:.1f} GB/s (read + written, "
              f"{ceilings['copy_bytes'] / 2**21:.0f} MiB), int8 matmul "
              f"{ceilings['int8_matmul_TOPs'] * 1e3:.0f} GOP/s, {ceilings['matmul_dtype']} matmul "
@@ -167,10 +169,8 @@ def table(rows: list[dict[str, Any]], ceilings: dict[str, Any]) -> str:
                      f"| {r['matmul_ms'] / r['step_ms']:.0%} "
                      f"| {r['matmul_GFLOP']:.2f} GFLOP, {r['matmul_MB']:.1f} MB "
                      f"| {r['matmul_GFLOPs']:.0f} GFLOP/s, {r['matmul_GBps']:.1f} GB/s "
-                     f"| {r['matmul_of_peak']:.0%} of "
-                     f"{'int8 matmul' if r['quantization'] == 'gguf-int8' else 'matmul'}, "
-                     f"{r['matmul_of_bandwidth']:.0%} "
-                     f"of read | {r['matmul_floor_ms']:.1f} |")
+                     f"| {r['matmul_of_peak']:.0%} of {r['matmul_peak']}, "
+                     f"{r['matmul_of_bandwidth']:.0%} of read | {r['matmul_floor_ms']:.1f} |")
         lines.append(head + f"| attention | {r['attention_ms']:.1f} "
                      f"| {r['attention_ms'] / r['step_ms']:.0%} | {r['attention_MB']:.1f} MB K/V "
                      f"| {r['attention_GBps']:.1f} GB/s | {r['attention_of_bandwidth']:.0%} of "
