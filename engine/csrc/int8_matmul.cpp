@@ -465,13 +465,20 @@ void tile_group(const Problem& p, int64_t t, int64_t m0, int64_t mt) {
 
 int64_t num_tiles(int64_t N) { return (N + TILE - 1) / TILE; }
 
+// Block i of the quantization loop (M * nb blocks): for M > M_TILE block b = i % nb of row
+// r = i / nb, each thread taking a range of whole rows; for decode-sized M (at most one row
+// group) row r = i % M of block b = i / M, each thread taking a range of whole blocks, so that
+// the two threads do not both write every 64-byte line of xd and xs ([nb, M]; measured: 3 % less
+// time per call at 16 rows, 2-8 % more at 48-256). Written block-major either way.
 void quantize_one(const void* x, bool bf16, int64_t M, int64_t nb, int64_t i, int8_t* xq,
                   float* xd, float* xs) {
-  const int64_t r = i / nb, b = i % nb, o = b * M + r;  // read row-major, write block-major
+  const bool by_block = M <= M_TILE;
+  const int64_t r = by_block ? i % M : i / nb, b = by_block ? i / M : i % nb;
+  const int64_t in = (r * nb + b) * QK, o = b * M + r;  // x row-major, outputs block-major
 #if defined(I8_SIMD) || defined(I8_AVX2)
-  quantize_block_simd(x, bf16, i * QK, xq + o * QK, xd + o, xs + o);
+  quantize_block_simd(x, bf16, in, xq + o * QK, xd + o, xs + o);
 #else
-  quantize_block_scalar(x, bf16, i * QK, xq + o * QK, xd + o, xs + o);
+  quantize_block_scalar(x, bf16, in, xq + o * QK, xd + o, xs + o);
 #endif
 }
 
