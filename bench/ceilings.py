@@ -4,6 +4,11 @@ from different machines compare as fractions of these ceilings:
 - copy bandwidth: a large device-to-device copy, counted as bytes read + bytes written;
 - matmul rate: a large square matmul, 2 * n**3 flops (and on the CPU an int8 one, int8 x int8
   into int32 through oneDNN's VNNI path, `torch._int_mm`: the rate for int8-activation kernels);
+- int8 block rate (CPU, AVX-512 VNNI): the instruction mix of an int8 matmul whose operands
+  carry a scale per block of 32 inputs, GGUF weights times Q8 activations
+  (bench/csrc/int8_block_mix.cpp): 8 vpdpbusd and the block's scaling (a multiply, two fmas)
+  per row and block, on operands in L1. Where those share execution pipes (Zen 4), it is 8/11
+  of the plain int8 rate: the ceiling of the engine's `gguf-int8` matmuls;
 - read bandwidth (CPU): one buffer in huge pages, larger than the last-level cache, summed by
   every thread over its contiguous share (bench/csrc/read_ceiling.cpp): the rate at which a
   decode step can stream its weights and its K/V, which only read. On a 2-vCPU VM it differs
@@ -34,6 +39,7 @@ GPU_MATMUL_N = 8192
 CPU_MATMUL_N = 1024
 CPU_READ_BYTES = 256 << 20
 READ_SOURCE = Path(__file__).resolve().parent / "csrc" / "read_ceiling.cpp"
+BLOCK_MIX_SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_block_mix.cpp"
 
 
 def copy_bandwidth(device: str, nbytes: Optional[int] = None, repeat: int = 10) -> dict:
@@ -95,6 +101,36 @@ def int8_matmul_rate(n: int = CPU_MATMUL_N, repeat: int = 10) -> dict:
     seconds = median_seconds(lambda: torch._int_mm(a, b), "cpu", repeat=repeat)
     return {"int8_matmul_n": n, "int8_matmul_seconds": seconds,
             "int8_matmul_TOPs": 2 * n ** 3 / seconds / 1e12}
+
+
+def int8_block_rate(threads: Optional[int] = None, iterations: int = 4_000_000,
+                    repeat: int = 5) -> dict:
+    """TOP/s of the int8 block mix (bench/csrc/int8_block_mix.cpp) on `threads` threads (default
+    torch's count), `iterations` per thread, the median of `repeat` runs; {} on a CPU or build
+    without AVX-512 VNNI (the int8 kernel's AVX2 path has another mix)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    lib = _block_mix_library()
+    sink = ctypes.c_float()
+    runs = sorted(lib.int8_block_mix(iterations, threads, ctypes.byref(sink))
+                  for _ in range(repeat))
+    seconds = runs[len(runs) // 2]
+    if seconds < 0:
+        return {}
+    ops = lib.int8_block_mix_ops_per_iteration() * iterations * threads
+    return {"int8_block_seconds": seconds, "int8_block_threads": threads,
+            "int8_block_TOPs": ops / seconds / 1e12}
+
+
+def _block_mix_library() -> Any:
+    from engine.native_build import INT8_TIERS
+    from paged_kernels.cpp_build import compile_flags, load_library
+
+    lib = load_library(BLOCK_MIX_SOURCE, "bench_int8_block_mix", compile_flags(INT8_TIERS),
+                       "bench int8 block mix")
+    lib.int8_block_mix.restype = ctypes.c_double
+    lib.int8_block_mix.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
+    lib.int8_block_mix_ops_per_iteration.restype = ctypes.c_int64
+    return lib
 
 
 def measure_ceilings(device: str, dtype: torch.dtype) -> dict:

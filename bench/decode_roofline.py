@@ -18,8 +18,11 @@ Ceilings: the read bandwidth of a `--read-mib` MiB buffer in huge pages (`bench.
 read_bandwidth`; larger than the last-level cache, so it is the memory's; measured before and
 after the steps and the higher taken, as a VM's memory speed drifts), the copy bandwidth of a
 `--copy-mib` MiB copy (read + written bytes, for reference), and the rate of a bfloat16 (or
-`--dtype`) matmul of `--matmul-n` (oneDNN), and of an int8 one (oneDNN's VNNI path, the rate
-for `gguf-int8`, whose matmuls multiply int8 activations). The weights and the K/V are only read,
+`--dtype`) matmul of `--matmul-n` (oneDNN), of an int8 one (oneDNN's VNNI path), and the int8
+block rate (`bench.ceilings.int8_block_rate`: the instructions an int8 product with a scale per
+block of 32 inputs issues; the peak of `gguf-int8`, whose matmuls multiply int8 activations by
+the file's blocks; the plain int8 rate where the CPU has no AVX-512 VNNI). The weights and the
+K/V are only read,
 so a part's floor is its bytes at the read bandwidth (and, for matmuls, its flops at the matmul
 rate of its mode, whichever is longer); the step's floor adds the matmul and attention floors.
 Counting adds about a microsecond per matmul and attention call to "other model ops".
@@ -37,7 +40,8 @@ import torch
 
 import bench.serve_profile as serve_profile
 import engine.model.decoder as decoder
-from bench.ceilings import copy_bandwidth, int8_matmul_rate, matmul_rate, read_bandwidth
+from bench.ceilings import (copy_bandwidth, int8_block_rate, int8_matmul_rate, matmul_rate,
+                            read_bandwidth)
 from engine.config import QUANTIZATION_MODES
 from engine.model.layer_loop import LayerLoop
 from engine.model.loader import load_model
@@ -127,11 +131,15 @@ def roofline(row: dict[str, float], work: dict[str, float], ceilings: dict[str, 
              int8: bool = False) -> dict[str, float]:
     """Per decode step (`row`: serve_profile's breakdown; `work`: the counters over its steps):
     the work, rates, shares of the ceilings and floors; `int8`: the matmuls multiply int8
-    activations (their peak is the int8 matmul rate)."""
+    activations (their peak is the int8 block rate where measured, else the int8 matmul rate)."""
     steps = row["steps"]
     bandwidth = ceilings["read_GBps"] * 1e9
-    peak_name = "int8 matmul" if int8 else "matmul"
-    peak = ceilings["int8_matmul_TOPs" if int8 else "matmul_TFLOPs"] * 1e12
+    peak_name, peak_key = "matmul", "matmul_TFLOPs"
+    if int8 and "int8_block_TOPs" in ceilings:
+        peak_name, peak_key = "int8 block mix", "int8_block_TOPs"
+    elif int8:
+        peak_name, peak_key = "int8 matmul", "int8_matmul_TOPs"
+    peak = ceilings[peak_key] * 1e12
     flop = work["matmul_flop"] / steps
     mm_bytes, kv_bytes = work["matmul_bytes"] / steps, work["kv_bytes"] / steps
     mm_s, at_s = row["matmul_ms"] / 1e3, row["attention_ms"] / 1e3
@@ -153,13 +161,16 @@ def roofline(row: dict[str, float], work: dict[str, float], ceilings: dict[str, 
 
 def table(rows: list[dict[str, Any]], ceilings: dict[str, Any]) -> str:
     """Markdown: one block of lines per (batch, quantization)."""
+    block = (f" (with block scales {ceilings['int8_block_TOPs'] * 1e3:.0f})"
+             if "int8_block_TOPs" in ceilings else "")
     lines = [f"Ceilings: read {ceilings['read_GBps']:.1f} GB/s ("
              f"{ceilings['read_bytes'] / 2**20:.0f} MiB in huge pages; "
              f"{ceilings['read_GBps_start']:.1f} before the steps, "
              f"{ceilings['read_GBps_end']:.1f} after), copy "
              f"{ceilings['copy_GBps']:.1f} GB/s (read + written, "
              f"{ceilings['copy_bytes'] / 2**21:.0f} MiB), int8 matmul "
-             f"{ceilings['int8_matmul_TOPs'] * 1e3:.0f} GOP/s, {ceilings['matmul_dtype']} matmul "
+             f"{ceilings['int8_matmul_TOPs'] * 1e3:.0f} GOP/s{block}, "
+             f"{ceilings['matmul_dtype']} matmul "
              f"{ceilings['matmul_TFLOPs'] * 1e3:.0f} GFLOP/s (n = {ceilings['matmul_n']}).", "",
              "| batch | quantization | part | ms / step | share | work / step | rate | "
              "of ceiling | floor ms |", "|---|---|---|---|---|---|---|---|---|"]
@@ -203,7 +214,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     dtype = getattr(torch, args.dtype)
     ceilings = {**read_bandwidth(args.read_mib << 20),
                 **copy_bandwidth("cpu", args.copy_mib << 20),
-                **matmul_rate("cpu", dtype, args.matmul_n), **int8_matmul_rate(args.matmul_n)}
+                **matmul_rate("cpu", dtype, args.matmul_n), **int8_matmul_rate(args.matmul_n),
+                **int8_block_rate(args.threads)}
     models = {q: load_model(None, dtype=dtype, quantization=q) for q in args.quantization}
     for loaded in models.values():
         serve_profile.install_model_timers(loaded.model)

@@ -5,10 +5,12 @@ recorded without ending a sweep, and its outputs."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` lives at
 
 from bench import build_ab, ceilings, kernels  # noqa: E402
 from bench.timing import seconds_in_turns  # noqa: E402
+from paged_kernels.cpp_build import cpu_flags  # noqa: E402
 
 TINY = dict(num_heads=4, num_kv_heads=2, head_size=16, block_size=4)
 
@@ -29,6 +32,40 @@ def test_ceilings_are_positive_rates() -> None:
     assert int8["int8_matmul_n"] == 64 and int8["int8_matmul_TOPs"] > 0
     read = ceilings.read_bandwidth(nbytes=1 << 20, threads=2, repeat=2)
     assert read["read_bytes"] == 1 << 20 and read["read_GBps"] > 0 and read["read_threads"] == 2
+
+
+def block_mix_oracle(iterations: int) -> float:
+    """The sum that one thread of bench/csrc/int8_block_mix.cpp accumulates, in float64 from
+    its stated inputs: per iteration 4 rows (row = (4 it + r) mod 64), whose 32 activation bytes
+    are 8 groups of 4 equal bytes (row * 8 + g) mod 7; weight byte 64 g + 4 j + t is
+    (37 i) mod 256 at its index i; acc_j += s_j * d_j * xd(row) + m_j * xs(row)."""
+    w = (np.arange(8 * 64) * 37 % 256).astype(np.float64).reshape(8, 16, 4).sum(-1)  # [g, j]
+    dm = np.array([0.5 / (1 + i) if i < 16 else -1000.0 / (i - 15) for i in range(32)],
+                  np.float32)
+    scales = np.array([1.0 / (1 + i) for i in range(128)], np.float32).astype(np.float64)
+    total = 0.0
+    for row in (np.arange(iterations * 4) % 64):
+        x = (row * 8 + np.arange(8)) % 7  # [g]
+        s = (w * x[:, None]).sum(0)  # [j]
+        total += float((s * dm[:16] * scales[2 * row] + dm[16:] * scales[2 * row + 1]).sum())
+    return total
+
+
+def test_int8_block_mix_does_the_stated_arithmetic() -> None:
+    """The block-mix ceiling's loop computes the products and scalings it claims to time (so the
+    compiler kept every instruction), on every thread; on a CPU without AVX-512 VNNI it says so
+    with -1 and `int8_block_rate` returns {}."""
+    lib = ceilings._block_mix_library()
+    sink = ctypes.c_float()
+    want = block_mix_oracle(40)
+    for threads in (1, 2):
+        seconds = lib.int8_block_mix(40, threads, ctypes.byref(sink))
+        if seconds < 0:
+            assert "avx512_vnni" not in cpu_flags() and ceilings.int8_block_rate() == {}
+            return
+        assert seconds > 0 and sink.value == pytest.approx(threads * want, rel=1e-5)
+    rate = ceilings.int8_block_rate(threads=2, iterations=1000, repeat=2)
+    assert rate["int8_block_threads"] == 2 and rate["int8_block_TOPs"] > 0
 
 
 def test_read_ceiling_reads_every_word_once() -> None:

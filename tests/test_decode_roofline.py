@@ -101,6 +101,12 @@ def test_roofline_rates_and_floors() -> None:
     r8 = decode_roofline.roofline(row, work, ceilings, int8=True)
     assert r8["matmul_of_peak"] == pytest.approx(0.25)   # 1 TOP/s of 4
     assert r8["matmul_floor_ms"] == pytest.approx(2.0)   # bytes: 20 MB at 10 GB/s > 1 ms
+    assert r8["matmul_peak"] == "int8 matmul"
+    ceilings["int8_block_TOPs"] = 2.0  # measured where the CPU has AVX-512 VNNI: it wins
+    r8 = decode_roofline.roofline(row, work, ceilings, int8=True)
+    assert r8["matmul_of_peak"] == pytest.approx(0.5) and r8["matmul_peak"] == "int8 block mix"
+    assert r8["matmul_floor_ms"] == pytest.approx(2.0)
+    assert decode_roofline.roofline(row, work, ceilings)["matmul_peak"] == "matmul"
 
 
 def test_small_run_counts_the_models_own_sizes(tmp_path: Path, monkeypatch) -> None:
