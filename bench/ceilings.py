@@ -8,7 +8,7 @@ from different machines compare as fractions of these ceilings:
   carry a scale per block of 32 inputs, GGUF weights times Q8 activations
   (bench/csrc/int8_block_mix.cpp): 8 vpdpbusd and the block's scaling (a multiply, two fmas)
   per row and block, on operands in L1. Where those share execution pipes (Zen 4), it is 8/11
-  of the plain int8 rate: the ceiling of the engine's `gguf-int8` matmuls;
+  of the rate of `vpdpbusd` alone: the ceiling of the engine's `gguf-int8` matmuls;
 - read bandwidth (CPU): one buffer in huge pages, larger than the last-level cache, summed by
   every thread over its contiguous share (bench/csrc/read_ceiling.cpp): the rate at which a
   decode step can stream its weights and its K/V, which only read. On a 2-vCPU VM it differs

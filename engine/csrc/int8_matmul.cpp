@@ -468,8 +468,9 @@ int64_t num_tiles(int64_t N) { return (N + TILE - 1) / TILE; }
 // Block i of the quantization loop (M * nb blocks): for M > M_TILE block b = i % nb of row
 // r = i / nb, each thread taking a range of whole rows; for decode-sized M (at most one row
 // group) row r = i % M of block b = i / M, each thread taking a range of whole blocks, so that
-// the two threads do not both write every 64-byte line of xd and xs ([nb, M]; measured: 3 % less
-// time per call at 16 rows, 2-8 % more at 48-256). Written block-major either way.
+// the threads do not all write every 64-byte line of xd and xs ([nb, M]). Faster at 8 and 16
+// rows, slower from 48 rows by block (bench/results/2026-12-05-int8-pipe-bound). Written
+// block-major either way.
 void quantize_one(const void* x, bool bf16, int64_t M, int64_t nb, int64_t i, int8_t* xq,
                   float* xd, float* xs) {
   const bool by_block = M <= M_TILE;
